@@ -1,0 +1,15 @@
+"""Stop policies behind one protocol (see ``controllers.base``)."""
+
+from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
+from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+
+__all__ = [
+    "ConfidencePolicy",
+    "DraftContext",
+    "DraftStep",
+    "EntropyPolicy",
+    "HeuristicPolicy",
+    "IterationOutcome",
+    "StaticPolicy",
+    "StopPolicy",
+]

@@ -1,0 +1,75 @@
+"""The one small protocol between the speculative loop and a stop policy.
+
+The loop asks three things, nothing more:
+
+* ``budget(ctx)`` before drafting: how many assistant tokens at most this iteration (0 = skip
+  drafting; the target then takes one plain step);
+* ``stop(step)`` after each drafted token: stop drafting now? (the drafted token is still verified);
+* ``update(record)`` after verification: what happened, for policies that adapt.
+
+Policies never see tokenizers or models; they see numbers the loop already has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What is known before drafting starts in an iteration."""
+
+    iteration: int
+    """0-based iteration index within this generation."""
+    generated: int
+    """Target tokens generated so far."""
+    remaining: int
+    """Target tokens still allowed before max_new_tokens."""
+    prev_drafted: int
+    """Assistant tokens drafted in the previous iteration (0 at the start)."""
+    prev_accepted: int
+    """Of those, how many the target accepted."""
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """One drafted assistant token and the assistant's confidence in it."""
+
+    position: int
+    """1-based position of this token in the current draft."""
+    token_id: int
+    prob: float
+    """Assistant probability of the drafted (argmax) token."""
+    entropy: float
+    """Entropy (nats) of the assistant's next-token distribution."""
+    margin: float
+    """Top-1 minus top-2 probability."""
+    cum_logprob: float
+    """Sum of log-probabilities of the draft so far, this token included."""
+    min_prob: float
+    """Smallest drafted-token probability in the draft so far."""
+
+
+@dataclass(frozen=True)
+class IterationOutcome:
+    """What verification decided, fed back to adaptive policies."""
+
+    drafted: int
+    accepted: int
+    """Drafted assistant tokens whose text the target accepted."""
+
+
+@runtime_checkable
+class StopPolicy(Protocol):
+    """Decides how far the assistant drafts. Instances hold per-sequence state: ``reset()`` it."""
+
+    name: str
+
+    def reset(self) -> None: ...
+
+    def budget(self, ctx: DraftContext) -> int: ...
+
+    def stop(self, step: DraftStep) -> bool: ...
+
+    def update(self, outcome: IterationOutcome) -> None: ...

@@ -1,0 +1,1 @@
+"""Controller training (datamodule, Lightning module, replay simulator, ONNX export)."""

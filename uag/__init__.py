@@ -1,0 +1,7 @@
+"""uag: lossless cross-tokenizer speculative decoding with a learned lookahead controller."""
+
+from uag.api import GenerationResult, Pair, generate, load_pair
+from uag.errors import UagError
+
+__all__ = ["GenerationResult", "Pair", "UagError", "generate", "load_pair"]
+__version__ = "0.1.0"

@@ -1,0 +1,268 @@
+"""The public Python API: load a model pair once, generate with any stop policy.
+
+    import uag
+    pair = uag.load_pair()                                  # gemma-3-270m ← smollm2-135m
+    out = uag.generate(pair, "def fib(n):", max_new_tokens=64)
+    ref = uag.generate(pair, "def fib(n):", max_new_tokens=64, policy=None)  # target alone
+    assert out.token_ids == ref.token_ids
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from controllers.base import StopPolicy
+from controllers.rules import StaticPolicy
+from uag.bridge import Bridge
+from uag.errors import UagError
+from uag.models import LoadedModel, load_model, quantize_int8
+from uag.runner import CachedLM
+from uag.speculative import IterationRecord, StopReason, speculative_generate, target_only_generate
+
+DEFAULT_TARGET = "gemma-3-270m"
+DEFAULT_ASSISTANT = "smollm2-135m"
+
+
+@dataclass
+class Pair:
+    """A target and an assistant ready for generation, with the bridge between their vocabularies."""
+
+    target: LoadedModel
+    assistant: LoadedModel
+    bridge: Bridge
+    target_lm: CachedLM = field(repr=False)
+    assistant_lm: CachedLM = field(repr=False)
+    assistant_int8: bool = False
+
+
+@dataclass
+class GenerationResult:
+    """One generation: the text, the target token ids, and per-iteration records."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    stop_reason: StopReason
+    seconds: float
+    policy: str
+    """Policy name, or ``target-only``."""
+    iterations: list[IterationRecord]
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.iterations) if self.iterations else self.new_tokens
+
+    @property
+    def drafted_tokens(self) -> int:
+        return sum(r.drafted for r in self.iterations)
+
+    @property
+    def accepted_drafts(self) -> int:
+        return sum(r.accepted_drafts for r in self.iterations)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Target tokens that came from the draft (accepted candidates)."""
+        return sum(r.accepted_candidates for r in self.iterations)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted assistant tokens whose text the target accepted."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def wasted_drafts(self) -> int:
+        return self.drafted_tokens - self.accepted_drafts
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds spent drafting, verifying, bridging, in the policy, and elsewhere."""
+        split = {
+            "draft": sum(r.draft_s for r in self.iterations),
+            "verify": sum(r.verify_s for r in self.iterations),
+            "bridge": sum(r.bridge_s for r in self.iterations),
+            "policy": sum(r.policy_s for r in self.iterations),
+        }
+        split["other"] = max(self.seconds - sum(split.values()), 0.0)
+        return split
+
+    def summary(self) -> dict[str, Any]:
+        """The stats as a JSON-ready dict."""
+        return {
+            "policy": self.policy,
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "stop_reason": self.stop_reason,
+            "target_forwards": self.target_forwards,
+            "tokens_per_target_forward": round(self.tokens_per_forward, 4),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_drafts": self.accepted_drafts,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "wasted_drafts": self.wasted_drafts,
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "seconds": round(self.seconds, 4),
+            "time_split": {k: round(v, 4) for k, v in self.time_split().items()},
+        }
+
+
+def load_pair(
+    target: str = DEFAULT_TARGET,
+    assistant: str = DEFAULT_ASSISTANT,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    assistant_int8: bool = False,
+) -> Pair:
+    """Load both models and build the bridge (GGUF references are converted once, then cached)."""
+    tgt = load_model(target, device=device, dtype=dtype)
+    ast = load_model(assistant, device=device, dtype=dtype)
+    if assistant_int8:
+        if ast.device.type != "cpu" or ast.dtype != __import__("torch").float32:
+            raise UagError("--assistant-int8 needs the assistant on CPU in float32")
+        ast.model = quantize_int8(ast.model)
+    target_lm, assistant_lm = CachedLM(tgt.model), CachedLM(ast.model)
+    bridge = Bridge.for_tokenizers(
+        target=tgt.tokenizer,
+        assistant=ast.tokenizer,
+        target_vocab=target_lm.vocab_size,
+        assistant_vocab=assistant_lm.vocab_size,
+    )
+    return Pair(tgt, ast, bridge, target_lm, assistant_lm, assistant_int8)
+
+
+def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:
+    """The prompt text both models see: raw, or wrapped in the target's chat template."""
+    if not chat:
+        return prompt
+    tok = pair.target.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise UagError(f"--chat: target {pair.target.ref!r} has no chat template")
+    return str(
+        tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    )
+
+
+def encode_prompt(pair: Pair, text: str) -> tuple[list[int], list[int]]:
+    """Target and assistant prompt ids for the same text; each model gets its own BOS rules."""
+
+    def encode(model: LoadedModel) -> list[int]:
+        tok = model.tokenizer
+        bos = tok.bos_token
+        # A chat template that already wrote the BOS text must not get a second one.
+        add_special = not (bos and text.startswith(bos))
+        return list(tok(text, add_special_tokens=add_special)["input_ids"])
+
+    return encode(pair.target), encode(pair.assistant)
+
+
+def _check_prompt(prompt: object) -> str:
+    if isinstance(prompt, (list, tuple)):
+        if len(prompt) != 1:
+            raise UagError(f"batch size {len(prompt)} is not supported: uag generates one prompt at a time")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise UagError(f"prompt must be a string, got {type(prompt).__name__}")
+    if not prompt:
+        raise UagError("prompt is empty")
+    return prompt
+
+
+def generate(
+    pair: Pair,
+    prompt: str | list[str],
+    *,
+    policy: StopPolicy | None | str = "default",
+    max_new_tokens: int = 128,
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+    keep_steps: bool = False,
+) -> GenerationResult:
+    """Greedy generation; ``policy=None`` runs the target alone (the reference output).
+
+    ``on_text`` receives decoded text as it is accepted (whole characters only).
+    """
+    text_prompt = render_prompt(pair, _check_prompt(prompt), chat=chat)
+    if max_new_tokens < 1:
+        raise UagError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if policy == "default":
+        policy = StaticPolicy(k=3)
+    if isinstance(policy, str):
+        raise UagError(f"policy must be a StopPolicy or None, got the string {policy!r}")
+    target_ids, assistant_ids = encode_prompt(pair, text_prompt)
+    stream = _Streamer(pair, on_text) if on_text else None
+    started = time.perf_counter()
+    if policy is None:
+        out = target_only_generate(
+            target=pair.target_lm,
+            target_eos=pair.target.eos_ids,
+            prompt_ids=target_ids,
+            max_new_tokens=max_new_tokens,
+            on_tokens=stream,
+        )
+    else:
+        out = speculative_generate(
+            target=pair.target_lm,
+            assistant=pair.assistant_lm,
+            bridge=pair.bridge,
+            target_eos=pair.target.eos_ids,
+            assistant_eos=pair.assistant.eos_ids,
+            prompt_target_ids=target_ids,
+            prompt_assistant_ids=assistant_ids,
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            on_tokens=stream,
+            keep_steps=keep_steps,
+        )
+    seconds = time.perf_counter() - started
+    if stream:
+        stream.flush()
+    return GenerationResult(
+        text=pair.target.tokenizer.decode(out.ids, skip_special_tokens=True),
+        token_ids=out.ids,
+        prompt_tokens=len(target_ids),
+        stop_reason=out.stop_reason,
+        seconds=seconds,
+        policy=policy.name if policy is not None else "target-only",
+        iterations=out.iterations,
+    )
+
+
+class _Streamer:
+    """Turns emitted target ids into text callbacks, holding back partial UTF-8 characters."""
+
+    def __init__(self, pair: Pair, on_text: Callable[[str], None]) -> None:
+        import codecs
+
+        self.table = pair.bridge.target.table
+        self.skip = set(pair.target.tokenizer.all_special_ids)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.on_text = on_text
+
+    def __call__(self, ids: list[int]) -> None:
+        data = b"".join(self.table[i] for i in ids if i not in self.skip)
+        piece = self.decoder.decode(data)
+        if piece:
+            self.on_text(piece)
+
+    def flush(self) -> None:
+        piece = self.decoder.decode(b"", final=True)
+        if piece:
+            self.on_text(piece)

@@ -1,0 +1,297 @@
+"""The speculative decoding loop over token ids (greedy, batch size 1).
+
+It knows nothing of tokenizers or files: it moves ids between two ``CachedLM``s, and asks the
+``Bridge`` (bytes in, ids out) whenever text crosses from one vocabulary to the other.
+
+One iteration:
+
+1. *sync*: the assistant is brought up to the target's accepted text (re-encoded, look-behind);
+2. *draft*: the assistant proposes tokens one at a time, asking the policy after each;
+3. *bridge*: the drafted text becomes target candidate ids;
+4. *verify*: one target forward over [pending token + candidates]; the longest prefix equal to
+   the target's own argmax is accepted, and the target's next token after it (the correction at
+   the first mismatch, or the bonus after a full match) is always emitted, so every iteration
+   makes progress and the output is exactly what the target alone would produce;
+5. *resync*: the assistant keeps the drafted tokens whose text lies inside the accepted text
+   (these are the "accepted" labels) and drops the rest, cropping both KV caches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
+from uag.bridge import Bridge, ends_on_char_boundary
+from uag.runner import CachedLM
+
+StopReason = Literal["eos", "max_new_tokens"]
+OnTokens = Callable[[list[int]], None]
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one draft → verify round did and what it cost."""
+
+    drafted: int
+    """Assistant tokens drafted."""
+    candidates: int
+    """Target tokens proposed to the verifier (drafted text re-encoded)."""
+    accepted_candidates: int
+    """Candidate target tokens equal to the target's own choice."""
+    emitted: int
+    """Target tokens added to the output (accepted candidates + the target's own next token)."""
+    accepted_drafts: int
+    """Drafted assistant tokens whose text lies inside the accepted text."""
+    draft_s: float
+    verify_s: float
+    bridge_s: float
+    policy_s: float
+    steps: tuple[DraftStep, ...] = field(default=(), repr=False)
+
+
+@dataclass
+class LoopOutput:
+    """Generated target ids (prompt excluded) and how the loop got there."""
+
+    ids: list[int]
+    stop_reason: StopReason
+    seconds: float
+    iterations: list[IterationRecord]
+
+
+def _common_prefix_len(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on prefix equality: O(n log n) bytes compared, no Python loop
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _clip(emitted: list[int], *, eos_ids: frozenset[int], room: int) -> tuple[list[int], bool]:
+    """Cut ``emitted`` after the first EOS and to ``room`` tokens; say whether EOS was hit."""
+    for i, tok in enumerate(emitted[:room]):
+        if tok in eos_ids:
+            return emitted[: i + 1], True
+    return emitted[:room], False
+
+
+def target_only_generate(
+    *,
+    target: CachedLM,
+    target_eos: frozenset[int],
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    on_tokens: OnTokens | None = None,
+) -> LoopOutput:
+    """Plain greedy decoding with the same forward and head as verification (the reference)."""
+    start_time = time.perf_counter()
+    target.reset(prompt_ids, rollback=False)
+    start = len(target.ids)
+    reason: StopReason = "max_new_tokens"
+    while len(target.ids) - start < max_new_tokens:
+        hidden = target.forward()
+        tok = target.greedy(hidden[-1:])[0]
+        target.ids.append(tok)
+        if on_tokens:
+            on_tokens([tok])
+        if tok in target_eos:
+            reason = "eos"
+            break
+    return LoopOutput(
+        ids=target.ids[start:],
+        stop_reason=reason,
+        seconds=time.perf_counter() - start_time,
+        iterations=[],
+    )
+
+
+class _AssistantText:
+    """The assistant's generated ids with their cumulative byte offsets (prompt excluded)."""
+
+    def __init__(self, lm: CachedLM, bridge: Bridge) -> None:
+        self.lm = lm
+        self.side = bridge.assistant
+        self.start = len(lm.ids)
+        self.data = bytearray()
+        self.ends: list[int] = []  # ends[j]: byte length after generated token j
+
+    @property
+    def count(self) -> int:
+        return len(self.ends)
+
+    def append(self, ids: Sequence[int]) -> None:
+        for tok in ids:
+            self.data += self.side.table[tok]
+            self.ends.append(len(self.data))
+        self.lm.ids.extend(ids)
+
+    def keep_prefix_of(self, text: bytes | bytearray) -> int:
+        """Keep the longest token prefix whose bytes are a prefix of ``text``; return its length."""
+        common = _common_prefix_len(self.data, text)
+        keep = bisect.bisect_right(self.ends, common)
+        del self.ends[keep:]
+        del self.data[self.ends[-1] if self.ends else 0 :]
+        self.lm.truncate(self.start + keep)
+        return keep
+
+
+def speculative_generate(
+    *,
+    target: CachedLM,
+    assistant: CachedLM,
+    bridge: Bridge,
+    target_eos: frozenset[int],
+    assistant_eos: frozenset[int],
+    prompt_target_ids: Sequence[int],
+    prompt_assistant_ids: Sequence[int],
+    policy: StopPolicy,
+    max_new_tokens: int,
+    on_tokens: OnTokens | None = None,
+    keep_steps: bool = False,
+) -> LoopOutput:
+    """Greedy UAG: token-for-token what ``target_only_generate`` returns, in fewer target passes."""
+    clock = time.perf_counter
+    start_time = clock()
+    policy.reset()
+    target.reset(prompt_target_ids, rollback=True)
+    assistant.reset(prompt_assistant_ids, rollback=True)
+    t_start = len(target.ids)
+    text = bytearray()  # the target's generated text, as bytes
+    a_text = _AssistantText(assistant, bridge)
+    records: list[IterationRecord] = []
+    reason: StopReason = "max_new_tokens"
+    prev = IterationOutcome(drafted=0, accepted=0)
+
+    while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
+        # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
+        t0 = clock()
+        new = bytes(text[len(a_text.data) :])
+        ids, _ = bridge.assistant.continuation(tail=bridge.tail(bridge.assistant, assistant.ids), new=new)
+        a_text.append(ids)
+        text_complete = ends_on_char_boundary(text)
+        bridge_s = clock() - t0
+
+        # 2. draft.
+        ctx = DraftContext(
+            iteration=len(records),
+            generated=len(target.ids) - t_start,
+            remaining=room,
+            prev_drafted=prev.drafted,
+            prev_accepted=prev.accepted,
+        )
+        t0 = clock()
+        budget = policy.budget(ctx) if text_complete and room > 1 else 0
+        policy_s = clock() - t0
+        if assistant.cached == len(assistant.ids):
+            budget = 0  # nothing new to feed: no fresh logits to draft from (rare)
+        committed = a_text.count
+        steps: list[DraftStep] = []
+        draft_s = 0.0
+        cum_logprob, min_prob = 0.0, 1.0
+        for position in range(1, min(budget, room - 1) + 1):
+            t0 = clock()
+            hidden = assistant.forward()
+            probs = torch.softmax(assistant.logits(hidden[-1:])[0], dim=-1)  # [V]
+            top = torch.topk(probs, 2)
+            tok = int(top.indices[0])
+            p1, p2 = float(top.values[0]), float(top.values[1])
+            entropy = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
+            draft_s += clock() - t0
+            if tok in assistant_eos:
+                break  # the assistant thinks the text ends here; the target decides that itself
+            cum_logprob += math.log(max(p1, 1e-30))
+            min_prob = min(min_prob, p1)
+            step = DraftStep(
+                position=position,
+                token_id=tok,
+                prob=p1,
+                entropy=entropy,
+                margin=p1 - p2,
+                cum_logprob=cum_logprob,
+                min_prob=min_prob,
+            )
+            steps.append(step)
+            a_text.append([tok])
+            t0 = clock()
+            halt = policy.stop(step)
+            policy_s += clock() - t0
+            if halt:
+                break
+
+        # 3. drafted text → target candidates (after the target's own text, whole characters).
+        t0 = clock()
+        candidates: list[int] = []
+        if steps and a_text.data[: len(text)] == text:
+            draft_text = bytes(a_text.data[len(text) :])
+            candidates, _ = bridge.target.continuation(
+                tail=bridge.tail(bridge.target, target.ids), new=draft_text
+            )
+            candidates = candidates[: room - 1]
+        bridge_s += clock() - t0
+
+        # 4. verify: one forward over the pending token(s) and all candidates.
+        t0 = clock()
+        base = len(target.ids)
+        target.ids.extend(candidates)
+        hidden = target.forward()
+        preds = target.greedy(hidden[-(len(candidates) + 1) :])  # [m + 1]
+        accepted = 0
+        while accepted < len(candidates) and candidates[accepted] == preds[accepted]:
+            accepted += 1
+        emitted, hit_eos = _clip(
+            candidates[:accepted] + [preds[accepted]], eos_ids=target_eos, room=room
+        )
+        in_cache = min(accepted, len(emitted))
+        target.truncate(base + in_cache)
+        target.ids.extend(emitted[in_cache:])
+        verify_s = clock() - t0
+        text += bridge.target.bytes_of(emitted)
+        if on_tokens:
+            on_tokens(emitted)
+
+        # 5. resync: keep the drafted tokens whose text the target accepted.
+        t0 = clock()
+        kept = a_text.keep_prefix_of(text)
+        accepted_drafts = max(kept - committed, 0)
+        bridge_s += clock() - t0
+        prev = IterationOutcome(drafted=len(steps), accepted=accepted_drafts)
+        t0 = clock()
+        policy.update(prev)
+        policy_s += clock() - t0
+        records.append(
+            IterationRecord(
+                drafted=len(steps),
+                candidates=len(candidates),
+                accepted_candidates=in_cache,
+                emitted=len(emitted),
+                accepted_drafts=accepted_drafts,
+                draft_s=draft_s,
+                verify_s=verify_s,
+                bridge_s=bridge_s,
+                policy_s=policy_s,
+                steps=tuple(steps) if keep_steps else (),
+            )
+        )
+        if hit_eos:
+            reason = "eos"
+            break
+
+    return LoopOutput(
+        ids=target.ids[t_start:],
+        stop_reason=reason,
+        seconds=clock() - start_time,
+        iterations=records,
+    )
