@@ -136,7 +136,8 @@ def load_pair(
         if ast.device.type != "cpu" or ast.dtype != __import__("torch").float32:
             raise UagError("--assistant-int8 needs the assistant on CPU in float32")
         ast.model = quantize_int8(ast.model)
-    target_lm, assistant_lm = CachedLM(tgt.model), CachedLM(ast.model)
+    target_lm = CachedLM(tgt.model, greedy_head=True)
+    assistant_lm = CachedLM(ast.model)
     bridge = Bridge.for_tokenizers(
         target=tgt.tokenizer,
         assistant=ast.tokenizer,

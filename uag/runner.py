@@ -13,25 +13,28 @@ from typing import Any
 
 import torch
 
-HEAD_CHUNK_ROWS = 16384
-"""Vocabulary rows per chunk of the streamed greedy head (see ``greedy_argmax``)."""
+HEAD_CHUNK = 2048
+"""Vocabulary entries per matrix product when several positions share the head pass."""
+HEAD_GROUP = 3
+"""Positions per matrix product in the CPU greedy head (see ``GreedyHead``)."""
 
 
 class CachedLM:
     """One model's running sequence: ids, KV cache, and the two heads."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, greedy_head: bool = False) -> None:
         from transformers import DynamicCache
 
         self.model = model
         self._cache_cls = DynamicCache
         self.body = model.base_model
-        head = model.get_output_embeddings()
-        self.head_weight: torch.Tensor = head.weight
-        self.head_bias: torch.Tensor | None = getattr(head, "bias", None)
+        self.head = model.get_output_embeddings()
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
-        self.device = self.head_weight.device
-        self.vocab_size = int(self.head_weight.shape[0])
+        weight = self.head.weight
+        weight = weight() if callable(weight) else weight  # int8-quantised Linear: a method
+        self.device = weight.device
+        self.vocab_size = int(weight.shape[0])
+        self._greedy = GreedyHead(weight, self.head.bias) if greedy_head else None
         self.ids: list[int] = []
         self.cached = 0
         self.cache: Any = None
@@ -73,45 +76,64 @@ class CachedLM:
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> list[int]:
         """Argmax token after each row of ``hidden`` ``[n, hidden]``."""
-        return greedy_argmax(hidden, self.head_weight, self.head_bias).tolist()
+        if self._greedy is None:
+            return self.logits(hidden).argmax(dim=-1).tolist()
+        return self._greedy(hidden).tolist()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full float32 logits for the rows of ``hidden`` (with Gemma-style soft-capping)."""
-        out = torch.nn.functional.linear(hidden, self.head_weight, self.head_bias).float()
+        out = self.head(hidden).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
 
-def greedy_argmax(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Argmax of ``hidden @ weight.T (+ bias)`` per row, streaming ``weight`` in row chunks.
+class GreedyHead:
+    """Argmax of the LM head per position, without materialising what greedy decoding ignores.
 
-    Why: a 262k-row LM head dominates a Gemma step on CPU, and for 2+ rows ``F.linear`` on this
-    skinny, huge matrix costs almost one full pass per row. Chunks of ``HEAD_CHUNK_ROWS`` rows stay
-    in cache while all positions use them, so verifying k candidates costs about one head pass.
-    Soft-capping is monotonic, so it cannot move the argmax and is skipped here. The same function
-    serves target-alone decoding and verification, so both see identical numbers.
+    Why: Gemma's 262,144 × 640 head is more than half of a CPU step, and on this CPU MKL's
+    ``F.linear`` with the row-major weight costs ~60 ms for one position and almost a full pass
+    more per extra position. The same product against the transposed weight ([hidden, vocab]) runs
+    at memory speed (~35 ms) for 1–3 positions but falls off a cliff at 4 and 8, so positions go
+    in groups of at most ``HEAD_GROUP``.
+    Soft-capping is monotonic and cannot move the argmax, so it is skipped. Target-alone decoding
+    and verification both use this head, so they see the same numbers.
+    On CUDA a plain ``F.linear`` + argmax is already bandwidth-bound and is used as is.
     """
-    # hidden: [n, h], weight: [V, h]
-    if hidden.device.type != "cpu":
-        logits = torch.nn.functional.linear(hidden, weight, bias)
-        return logits.argmax(dim=-1)
-    xt = hidden.T.contiguous()  # [h, n]
-    best_vals = []
-    best_idx = []
-    for start in range(0, weight.shape[0], HEAD_CHUNK_ROWS):
-        block = torch.mm(weight[start : start + HEAD_CHUNK_ROWS], xt)  # [C, n]
-        if bias is not None:
-            block += bias[start : start + HEAD_CHUNK_ROWS, None]
-        vals, idx = block.max(dim=0)  # [n]
-        best_vals.append(vals)
-        best_idx.append(idx + start)
-    vals_t = torch.stack(best_vals)  # [chunks, n]
-    idx_t = torch.stack(best_idx)
-    # max() keeps the first maximum within a chunk and argmax the first chunk: ties go to the
-    # lowest id, as torch.argmax over the full row does.
-    winner = vals_t.argmax(dim=0, keepdim=True)  # [1, n]
-    return idx_t.gather(0, winner)[0]
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        # A transposed copy (+1x head memory) only where it pays: the CPU path.
+        self.weight_t = weight.detach().T.contiguous() if weight.device.type == "cpu" else None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``: [n, h] → argmax ids [n]."""
+        if self.weight_t is None:
+            return torch.nn.functional.linear(hidden, self.weight, self.bias).argmax(dim=-1)
+        hidden = hidden.to(self.weight_t.dtype)
+        return torch.cat(
+            [self._group(hidden[i : i + HEAD_GROUP]) for i in range(0, hidden.shape[0], HEAD_GROUP)]
+        )
+
+    def _group(self, x: torch.Tensor) -> torch.Tensor:
+        wt = self.weight_t
+        assert wt is not None
+        if x.shape[0] == 1:  # one position: a plain vector-matrix product is the fastest path
+            logits = torch.mm(x, wt)
+            if self.bias is not None:
+                logits += self.bias
+            return logits.argmax(dim=-1)
+        vals, idxs = [], []
+        for start in range(0, wt.shape[1], HEAD_CHUNK):
+            block = torch.mm(x, wt[:, start : start + HEAD_CHUNK])  # [g, C]
+            if self.bias is not None:
+                block += self.bias[start : start + HEAD_CHUNK]
+            v, i = block.max(dim=-1)  # first maximum within the chunk
+            vals.append(v)
+            idxs.append(i + start)
+        vals_t, idxs_t = torch.stack(vals, dim=1), torch.stack(idxs, dim=1)  # [g, chunks]
+        # argmax takes the first chunk holding the maximum: ties go to the lowest id, as a plain
+        # argmax over the whole row does.
+        return idxs_t.gather(1, vals_t.argmax(dim=1, keepdim=True))[:, 0]

@@ -1,0 +1,234 @@
+"""The ``uag`` command line: wiring only.
+
+Each subcommand parses its flags, calls a library function, and prints. Known problems
+(:class:`UagError`) become one line on stderr and exit code 2; anything else is a bug and prints
+one line too, with the full traceback only when ``UAG_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from uag.errors import UagError
+
+POLICIES = ("static", "heuristic", "confidence", "entropy")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: how to add its flags and what to run."""
+
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from uag.api import DEFAULT_ASSISTANT, DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, .gguf, local dir or hub id (default: %(default)s)")
+    p.add_argument("--assistant", default=DEFAULT_ASSISTANT, help="assistant (draft) model, same kinds of reference (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument(
+        "--assistant-int8",
+        action="store_true",
+        help="int8 dynamic quantisation of the assistant's Linear layers (CPU): cheaper drafts, same output",
+    )
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="the prompt text (one prompt: batch size 1)")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file (whole file)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="target tokens to generate at most (default: %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default="static", help="how far to draft each round (default: %(default)s)")
+    p.add_argument("--lookahead", type=_positive_int, default=None, help="static: tokens per draft (default 3); heuristic: starting value (5); confidence/entropy: cap (20)")
+    p.add_argument("--threshold", type=float, default=None, help="confidence: stop below this probability (0.4); entropy: stop above this many nats (1.5)")
+    p.add_argument("--compare-target-only", action="store_true", help="also run the target alone, check the outputs are token-identical and report the speed-up")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (no streaming)")
+
+
+def make_policy(name: str, *, lookahead: int | None, threshold: float | None) -> Any:
+    """A rule policy from CLI-style arguments."""
+    from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+
+    if name == "static":
+        return StaticPolicy(k=lookahead or 3)
+    if name == "heuristic":
+        return HeuristicPolicy(start=lookahead or 5)
+    if name == "confidence":
+        return ConfidencePolicy(threshold=0.4 if threshold is None else threshold, max_lookahead=lookahead or 20)
+    if name == "entropy":
+        return EntropyPolicy(threshold=1.5 if threshold is None else threshold, max_lookahead=lookahead or 20)
+    raise UagError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise UagError(f"prompt file not found: {args.prompt_file}")
+        text = args.prompt_file.read_text(encoding="utf-8")
+        if not text.strip():
+            raise UagError(f"prompt file is empty: {args.prompt_file}")
+        return text
+    if len(args.prompt) != 1:
+        raise UagError(f"got {len(args.prompt)} prompts: uag generates one prompt at a time (batch size 1)")
+    return str(args.prompt[0])
+
+
+def _stats_line(result: Any) -> str:
+    split = result.time_split()
+    parts = ", ".join(f"{k} {v:.2f}s" for k, v in split.items())
+    return (
+        f"[{result.policy}] {result.new_tokens} new tokens, {result.target_forwards} target forwards "
+        f"({result.tokens_per_forward:.2f} tokens/forward), acceptance {result.acceptance_rate:.0%}, "
+        f"{result.wasted_drafts} drafted tokens wasted, {result.tokens_per_second:.2f} tokens/s, "
+        f"{result.seconds:.2f}s ({parts})"
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import uag
+
+    prompt = _read_prompt(args)
+    policy = make_policy(args.policy, lookahead=args.lookahead, threshold=args.threshold)
+    pair = uag.load_pair(
+        args.target, args.assistant, device=args.device, dtype=args.dtype, assistant_int8=args.assistant_int8
+    )
+    common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat}
+    reference = None
+    if args.compare_target_only:
+        # Warm both arms up (allocator, thread pools, kernels) outside the measured runs.
+        uag.generate(pair, prompt, policy=None, **{**common, "max_new_tokens": 4})
+        uag.generate(pair, prompt, policy=policy, **{**common, "max_new_tokens": 4})
+        reference = uag.generate(pair, prompt, policy=None, **common)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = uag.generate(pair, prompt, policy=policy, on_text=None if args.json else stream, **common)
+    summary = result.summary()
+    if reference is not None:
+        summary["identical"] = reference.token_ids == result.token_ids
+        summary["target_only_seconds"] = round(reference.seconds, 4)
+        summary["speedup"] = round(reference.seconds / result.seconds, 4) if result.seconds else None
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        print()
+        print(_stats_line(result))
+        if reference is not None:
+            verdict = "token-identical" if summary["identical"] else "DIFFERENT (a bug: please report)"
+            print(
+                f"[target-only] {reference.new_tokens} tokens in {reference.seconds:.2f}s; "
+                f"outputs {verdict}; speed-up {summary['speedup']:.2f}x"
+            )
+    if reference is not None and not summary["identical"]:
+        return 1
+    return 0
+
+
+def _add_models_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="models_cmd", metavar="{list,prepare}")
+    sub.add_parser("list", help="list embedded models and whether each is converted (default)")
+    prep = sub.add_parser("prepare", help="convert embedded models or .gguf files into the cache now")
+    prep.add_argument("names", nargs="+", help="embedded names or .gguf paths")
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from uag import models
+
+    if getattr(args, "models_cmd", None) == "prepare":
+        for name in args.names:
+            if name not in models.EMBEDDED and not name.endswith(".gguf"):
+                raise UagError(f"cannot prepare {name!r}: give an embedded name ({', '.join(models.EMBEDDED)}) or a .gguf file")
+        for name in tqdm(args.names, desc="preparing models", unit="model"):
+            path = models.convert_gguf(name, log=tqdm.write)
+            tqdm.write(f"{name}: ready at {path}")
+        return 0
+    print(f"cache: {models.cache_root()}  (set UAG_CACHE to move it)")
+    for name, entry in models.EMBEDDED.items():
+        state = "converted" if models.is_cached(name) else "not converted yet (uag models prepare " + name + ")"
+        print(f"{name:14s} package {entry.package:26s} {state}")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "generate": Command(
+        help="generate text with cross-tokenizer speculative decoding",
+        add_args=_add_generate_args,
+        run=run_generate,
+    ),
+    "models": Command(
+        help="list embedded models or convert them ahead of time",
+        add_args=_add_models_args,
+        run=run_models,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="uag",
+        description=(
+            "Lossless cross-tokenizer speculative decoding (Universal Assisted Generation): a small "
+            "assistant drafts, the target verifies, the output is exactly the target's greedy output."
+        ),
+        epilog="Errors print one line; set UAG_DEBUG=1 for full tracebacks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        cmd.add_args(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command].run(args)
+    except UagError as err:
+        print(f"uag: error: {err}", file=sys.stderr)
+        if os.environ.get("UAG_DEBUG") == "1":
+            traceback.print_exc()
+        return 2
+    except KeyboardInterrupt:
+        print("uag: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a bug, not bad input: still one line unless debugging
+        if os.environ.get("UAG_DEBUG") == "1":
+            raise
+        print(f"uag: internal error: {type(err).__name__}: {err} (set UAG_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
