@@ -1,10 +1,10 @@
 """The public Python API: load a model pair once, generate with any stop policy.
 
-    import uag
-    pair = uag.load_pair()                                  # gemma-3-270m ← smollm2-135m
-    out = uag.generate(pair, "def fib(n):", max_new_tokens=64)
-    ref = uag.generate(pair, "def fib(n):", max_new_tokens=64, policy=None)  # target alone
-    assert out.token_ids == ref.token_ids
+import uag
+pair = uag.load_pair()                                  # gemma-3-270m ← smollm2-135m
+out = uag.generate(pair, "def fib(n):", max_new_tokens=64)
+ref = uag.generate(pair, "def fib(n):", max_new_tokens=64, policy=None)  # target alone
+assert out.token_ids == ref.token_ids
 """
 
 from __future__ import annotations
@@ -14,11 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from controllers.base import StopPolicy
 from controllers.rules import StaticPolicy
 from uag.bridge import Bridge
 from uag.errors import UagError
-from uag.models import LoadedModel, load_model, quantize_int8
+from uag.models import (
+    LoadedModel,
+    check_reference,
+    load_model,
+    quantize_int8,
+    resolve_device,
+    resolve_dtype,
+)
 from uag.runner import CachedLM
 from uag.speculative import IterationRecord, StopReason, speculative_generate, target_only_generate
 
@@ -130,21 +139,29 @@ def load_pair(
     assistant_int8: bool = False,
 ) -> Pair:
     """Load both models and build the bridge (GGUF references are converted once, then cached)."""
+    for ref in (target, assistant):
+        check_reference(ref)
+    resolve_dtype(dtype, resolve_device(device))
     tgt = load_model(target, device=device, dtype=dtype)
     ast = load_model(assistant, device=device, dtype=dtype)
     if assistant_int8:
-        if ast.device.type != "cpu" or ast.dtype != __import__("torch").float32:
+        if ast.device.type != "cpu" or ast.dtype != torch.float32:
             raise UagError("--assistant-int8 needs the assistant on CPU in float32")
         ast.model = quantize_int8(ast.model)
-    target_lm = CachedLM(tgt.model, greedy_head=True)
-    assistant_lm = CachedLM(ast.model)
+    return make_pair(tgt, ast, assistant_int8=assistant_int8)
+
+
+def make_pair(target: LoadedModel, assistant: LoadedModel, *, assistant_int8: bool = False) -> Pair:
+    """A pair from models already in memory (e.g. your own, or tiny ones in tests)."""
+    target_lm = CachedLM(target.model, greedy_head=True)
+    assistant_lm = CachedLM(assistant.model)
     bridge = Bridge.for_tokenizers(
-        target=tgt.tokenizer,
-        assistant=ast.tokenizer,
+        target=target.tokenizer,
+        assistant=assistant.tokenizer,
         target_vocab=target_lm.vocab_size,
         assistant_vocab=assistant_lm.vocab_size,
     )
-    return Pair(tgt, ast, bridge, target_lm, assistant_lm, assistant_int8)
+    return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8)
 
 
 def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:
@@ -177,7 +194,9 @@ def encode_prompt(pair: Pair, text: str) -> tuple[list[int], list[int]]:
 def _check_prompt(prompt: object) -> str:
     if isinstance(prompt, (list, tuple)):
         if len(prompt) != 1:
-            raise UagError(f"batch size {len(prompt)} is not supported: uag generates one prompt at a time")
+            raise UagError(
+                f"batch size {len(prompt)} is not supported: uag generates one prompt at a time"
+            )
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise UagError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -253,7 +272,11 @@ class _Streamer:
         import codecs
 
         self.table = pair.bridge.target.table
-        self.skip = set(pair.target.tokenizer.all_special_ids)
+        tok = pair.target.tokenizer
+        # The same tokens decode(skip_special_tokens=True) drops: every added token marked special.
+        self.skip = set(tok.all_special_ids) | {
+            i for i, t in (getattr(tok, "added_tokens_decoder", {}) or {}).items() if t.special
+        }
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.on_text = on_text
 

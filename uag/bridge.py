@@ -175,7 +175,9 @@ class Bridge:
     def for_tokenizers(
         cls, *, target: Any, assistant: Any, target_vocab: int, assistant_vocab: int
     ) -> Bridge:
-        return cls(target=TokenText(target, target_vocab), assistant=TokenText(assistant, assistant_vocab))
+        return cls(
+            target=TokenText(target, target_vocab), assistant=TokenText(assistant, assistant_vocab)
+        )
 
     def tail(self, side: TokenText, ids: Sequence[int]) -> bytes:
         """Bytes of the last ``lookbehind`` tokens of ``ids`` (the re-encoding context)."""

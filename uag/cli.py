@@ -15,11 +15,18 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from uag.errors import UagError
 
 POLICIES = ("static", "heuristic", "confidence", "entropy")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (``--help`` still shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 @dataclass(frozen=True)
@@ -44,10 +51,26 @@ def _positive_int(value: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from uag.api import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: embedded name, .gguf, local dir or hub id (default: %(default)s)")
-    p.add_argument("--assistant", default=DEFAULT_ASSISTANT, help="assistant (draft) model, same kinds of reference (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default: %(default)s)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="target model: embedded name, .gguf, local dir or hub id (default: %(default)s)",
+    )
+    p.add_argument(
+        "--assistant",
+        default=DEFAULT_ASSISTANT,
+        help="assistant (draft) model, same kinds of reference (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when present), cpu or cuda (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    )
     p.add_argument(
         "--assistant-int8",
         action="store_true",
@@ -60,13 +83,43 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="the prompt text (one prompt: batch size 1)")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file (whole file)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="target tokens to generate at most (default: %(default)s)")
-    p.add_argument("--policy", choices=POLICIES, default="static", help="how far to draft each round (default: %(default)s)")
-    p.add_argument("--lookahead", type=_positive_int, default=None, help="static: tokens per draft (default 3); heuristic: starting value (5); confidence/entropy: cap (20)")
-    p.add_argument("--threshold", type=float, default=None, help="confidence: stop below this probability (0.4); entropy: stop above this many nats (1.5)")
-    p.add_argument("--compare-target-only", action="store_true", help="also run the target alone, check the outputs are token-identical and report the speed-up")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (no streaming)")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the target's chat template"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=128,
+        help="target tokens to generate at most (default: %(default)s)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="static",
+        help="how far to draft each round (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lookahead",
+        type=_positive_int,
+        default=None,
+        help="static: tokens per draft (default 3); heuristic: starting value (5); confidence/entropy: cap (20)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="confidence: stop below this probability (0.4); entropy: stop above this many nats (1.5)",
+    )
+    p.add_argument(
+        "--compare-target-only",
+        action="store_true",
+        help="also run the target alone, check the outputs are token-identical and report the speed-up",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object as the last stdout line (no streaming)",
+    )
 
 
 def make_policy(name: str, *, lookahead: int | None, threshold: float | None) -> Any:
@@ -78,9 +131,13 @@ def make_policy(name: str, *, lookahead: int | None, threshold: float | None) ->
     if name == "heuristic":
         return HeuristicPolicy(start=lookahead or 5)
     if name == "confidence":
-        return ConfidencePolicy(threshold=0.4 if threshold is None else threshold, max_lookahead=lookahead or 20)
+        return ConfidencePolicy(
+            threshold=0.4 if threshold is None else threshold, max_lookahead=lookahead or 20
+        )
     if name == "entropy":
-        return EntropyPolicy(threshold=1.5 if threshold is None else threshold, max_lookahead=lookahead or 20)
+        return EntropyPolicy(
+            threshold=1.5 if threshold is None else threshold, max_lookahead=lookahead or 20
+        )
     raise UagError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
 
 
@@ -93,7 +150,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
             raise UagError(f"prompt file is empty: {args.prompt_file}")
         return text
     if len(args.prompt) != 1:
-        raise UagError(f"got {len(args.prompt)} prompts: uag generates one prompt at a time (batch size 1)")
+        raise UagError(
+            f"got {len(args.prompt)} prompts: uag generates one prompt at a time (batch size 1)"
+        )
     return str(args.prompt[0])
 
 
@@ -114,7 +173,11 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     policy = make_policy(args.policy, lookahead=args.lookahead, threshold=args.threshold)
     pair = uag.load_pair(
-        args.target, args.assistant, device=args.device, dtype=args.dtype, assistant_int8=args.assistant_int8
+        args.target,
+        args.assistant,
+        device=args.device,
+        dtype=args.dtype,
+        assistant_int8=args.assistant_int8,
     )
     common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat}
     reference = None
@@ -128,19 +191,25 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = uag.generate(pair, prompt, policy=policy, on_text=None if args.json else stream, **common)
+    result = uag.generate(
+        pair, prompt, policy=policy, on_text=None if args.json else stream, **common
+    )
     summary = result.summary()
     if reference is not None:
         summary["identical"] = reference.token_ids == result.token_ids
         summary["target_only_seconds"] = round(reference.seconds, 4)
-        summary["speedup"] = round(reference.seconds / result.seconds, 4) if result.seconds else None
+        summary["speedup"] = (
+            round(reference.seconds / result.seconds, 4) if result.seconds else None
+        )
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:
         print()
         print(_stats_line(result))
         if reference is not None:
-            verdict = "token-identical" if summary["identical"] else "DIFFERENT (a bug: please report)"
+            verdict = (
+                "token-identical" if summary["identical"] else "DIFFERENT (a bug: please report)"
+            )
             print(
                 f"[target-only] {reference.new_tokens} tokens in {reference.seconds:.2f}s; "
                 f"outputs {verdict}; speed-up {summary['speedup']:.2f}x"
@@ -151,9 +220,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_models_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="models_cmd", metavar="{list,prepare}")
+    sub = p.add_subparsers(dest="models_cmd", metavar="{list,prepare}", parser_class=_Parser)
     sub.add_parser("list", help="list embedded models and whether each is converted (default)")
-    prep = sub.add_parser("prepare", help="convert embedded models or .gguf files into the cache now")
+    prep = sub.add_parser(
+        "prepare", help="convert embedded models or .gguf files into the cache now"
+    )
     prep.add_argument("names", nargs="+", help="embedded names or .gguf paths")
 
 
@@ -165,14 +236,20 @@ def run_models(args: argparse.Namespace) -> int:
     if getattr(args, "models_cmd", None) == "prepare":
         for name in args.names:
             if name not in models.EMBEDDED and not name.endswith(".gguf"):
-                raise UagError(f"cannot prepare {name!r}: give an embedded name ({', '.join(models.EMBEDDED)}) or a .gguf file")
+                raise UagError(
+                    f"cannot prepare {name!r}: give an embedded name ({', '.join(models.EMBEDDED)}) or a .gguf file"
+                )
         for name in tqdm(args.names, desc="preparing models", unit="model"):
             path = models.convert_gguf(name, log=tqdm.write)
             tqdm.write(f"{name}: ready at {path}")
         return 0
     print(f"cache: {models.cache_root()}  (set UAG_CACHE to move it)")
     for name, entry in models.EMBEDDED.items():
-        state = "converted" if models.is_cached(name) else "not converted yet (uag models prepare " + name + ")"
+        state = (
+            "converted"
+            if models.is_cached(name)
+            else "not converted yet (uag models prepare " + name + ")"
+        )
         print(f"{name:14s} package {entry.package:26s} {state}")
     return 0
 
@@ -192,7 +269,7 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="uag",
         description=(
             "Lossless cross-tokenizer speculative decoding (Universal Assisted Generation): a small "
@@ -200,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Errors print one line; set UAG_DEBUG=1 for full tracebacks.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, cmd in COMMANDS.items():
         cmd.add_args(sub.add_parser(name, help=cmd.help, description=cmd.help))
     return parser
@@ -226,7 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # a bug, not bad input: still one line unless debugging
         if os.environ.get("UAG_DEBUG") == "1":
             raise
-        print(f"uag: internal error: {type(err).__name__}: {err} (set UAG_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(
+            f"uag: internal error: {type(err).__name__}: {err} (set UAG_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -157,7 +157,9 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf_path(EMBEDDED[ref]) if ref in EMBEDDED else Path(ref).expanduser().resolve()
+    gguf = (
+        embedded_gguf_path(EMBEDDED[ref]) if ref in EMBEDDED else Path(ref).expanduser().resolve()
+    )
     say = log or (lambda msg: print(msg, file=sys.stderr))
     say(f"converting {gguf.name} into {out} (once; later loads take seconds)")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -190,21 +192,32 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
     return out
 
 
-def checkpoint_dir(ref: str) -> str:
-    """Where ``from_pretrained`` should read ``ref`` from (converting GGUF first)."""
-    if ref in EMBEDDED or ref.endswith(".gguf"):
-        if ref.endswith(".gguf") and not Path(ref).expanduser().exists():
+def check_reference(ref: str) -> None:
+    """Refuse a reference that cannot be loaded, before anything slow happens."""
+    if ref in EMBEDDED:
+        if _package_dir(EMBEDDED[ref].package) is None and not is_cached(ref):
+            raise UagError(f"model {ref!r} needs its package: {EMBEDDED[ref].pip_hint}")
+        return
+    path = Path(ref).expanduser()
+    if ref.endswith(".gguf"):
+        if not path.is_file():
             raise UagError(f"GGUF file not found: {ref}")
-        return str(convert_gguf(ref))
-    if Path(ref).expanduser().is_dir():
-        return str(Path(ref).expanduser())
-    if "/" in ref and not Path(ref).exists():
-        return ref  # a hub id; from_pretrained says whether it can be reached
+        return
+    if path.is_dir() or ("/" in ref and not path.exists() and ref.count("/") == 1):
+        return  # a local checkpoint, or a hub id (from_pretrained says if it is reachable)
     names = ", ".join(EMBEDDED)
     raise UagError(
         f"unknown model reference {ref!r}: use one of {names}, a .gguf file, a local checkpoint "
         "directory, or a hub id (org/name)"
     )
+
+
+def checkpoint_dir(ref: str) -> str:
+    """Where ``from_pretrained`` should read ``ref`` from (converting GGUF first)."""
+    check_reference(ref)
+    if ref in EMBEDDED or ref.endswith(".gguf"):
+        return str(convert_gguf(ref))
+    return str(Path(ref).expanduser()) if Path(ref).expanduser().is_dir() else ref
 
 
 def eos_ids_for(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -225,24 +238,34 @@ def eos_ids_for(model: Any, tokenizer: Any) -> frozenset[int]:
 def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load one model reference for inference (weights cached after the first GGUF conversion)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = checkpoint_dir(ref)
+    hf_logging.disable_progress_bar()  # loading a converted checkpoint takes seconds
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
+        model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
     except OSError as exc:
         raise UagError(f"cannot load model {ref!r}: {str(exc).splitlines()[0]}") from exc
-    model.to(dev).eval()
+    finally:
+        hf_logging.enable_progress_bar()
+    return wrap_model(model.to(dev), tokenizer, ref=ref)
+
+
+def wrap_model(model: Any, tokenizer: Any, *, ref: str) -> LoadedModel:
+    """A model already in memory, set up for inference."""
+    model.eval()
     model.requires_grad_(False)
+    param = next(model.parameters())
     return LoadedModel(
         ref=ref,
         model=model,
         tokenizer=tokenizer,
         eos_ids=eos_ids_for(model, tokenizer),
-        device=dev,
-        dtype=dt,
+        device=param.device,
+        dtype=param.dtype,
     )
 
 

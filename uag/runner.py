@@ -69,6 +69,8 @@ class CachedLM:
         their window only on a crop.
         """
         del self.ids[keep:]
+        if self.cached == 0:
+            return  # nothing fed yet (Transformers 5.24 crashes cropping an empty sliding layer)
         drop = max(self.cached - keep, 0)
         self.cache.crop(-drop)
         self.cached -= drop

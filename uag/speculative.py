@@ -179,7 +179,9 @@ def speculative_generate(
         # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
         t0 = clock()
         new = bytes(text[len(a_text.data) :])
-        ids, _ = bridge.assistant.continuation(tail=bridge.tail(bridge.assistant, assistant.ids), new=new)
+        ids, _ = bridge.assistant.continuation(
+            tail=bridge.tail(bridge.assistant, assistant.ids), new=new
+        )
         a_text.append(ids)
         text_complete = ends_on_char_boundary(text)
         bridge_s = clock() - t0

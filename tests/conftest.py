@@ -1,0 +1,33 @@
+"""Shared fixtures: real tokenizers and models come from the embedded GGUF packages.
+
+The first run converts the GGUF files into ``$UAG_CACHE`` (about 90 s on 2 cores); every later
+load in the same run, or in later runs with the same cache, takes seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(torch.get_num_threads(), 1))
+
+
+@pytest.fixture(scope="session")
+def tokenizers():
+    """(target, assistant) real tokenizers: Gemma 3 (SentencePiece) and SmolLM2 (byte-level BPE)."""
+    from transformers import AutoTokenizer
+
+    from uag.models import convert_gguf
+
+    return tuple(
+        AutoTokenizer.from_pretrained(str(convert_gguf(name)))
+        for name in ("gemma-3-270m", "smollm2-135m")
+    )
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """The embedded default pair, loaded once per test session."""
+    import uag
+
+    return uag.load_pair()

@@ -1,0 +1,79 @@
+"""The command line: every command listed, bad input is one clean line and a non-zero exit."""
+
+from __future__ import annotations
+
+import pytest
+
+from uag.cli import COMMANDS, build_parser, main
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_generate_help_explains_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--target",
+        "--assistant",
+        "--prompt-file",
+        "--chat",
+        "--max-new-tokens",
+        "--policy",
+        "--lookahead",
+        "--threshold",
+        "--compare-target-only",
+        "--json",
+        "--assistant-int8",
+    ):
+        assert flag in out
+
+
+def _one_clean_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--target", "no-such-model", "--prompt", "x"], "unknown model reference"),
+        (["generate", "--assistant", "/nowhere/m.gguf", "--prompt", "x"], "GGUF file not found"),
+        (["generate", "--prompt-file", "/no/such/file.txt"], "prompt file not found"),
+        (["generate", "--prompt", "a", "--prompt", "b"], "batch size 1"),
+        (["generate", "--prompt", "x", "--device", "tpu"], "unknown device"),
+        (["models", "prepare", "not-a-model"], "cannot prepare"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in _one_clean_line(capsys)
+
+
+def test_empty_prompt_file(tmp_path, capsys):
+    empty = tmp_path / "p.txt"
+    empty.write_text("  \n")
+    assert main(["generate", "--prompt-file", str(empty)]) == 2
+    assert "empty" in _one_clean_line(capsys)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_non_positive_max_new_tokens(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "x", "--max-new-tokens", value])
+    assert exc.value.code == 2
+    assert "--max-new-tokens" in _one_clean_line(capsys)
+
+
+def test_models_list(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma-3-270m" in out and "smollm2-135m" in out

