@@ -95,7 +95,7 @@ def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
     def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], uag.GenerationResult]:
         return lambda prompt: uag.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
 
-    arms: dict[str, Callable[[str], object]] = {
+    arms: dict[str, Callable[[str], list[int] | uag.GenerationResult]] = {
         "hf-target": lambda prompt: _hf_generate(pair, prompt, max_new_tokens),
         "uag-target": uag_arm(pair, None),
         "hf-uag": hf_uag,
@@ -108,23 +108,24 @@ def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
         fn(prompts[0][:200])
     for i, prompt in enumerate(prompts):
         reference: list[int] | None = None
+        last_ids: dict[str, list[int]] = {}
         for name, fn in arms.items():
             start = time.perf_counter()
             out = fn(prompt)
             seconds = time.perf_counter() - start
-            ids = out.token_ids if isinstance(out, uag.GenerationResult) else list(out)  # type: ignore[union-attr]
+            ids = out.token_ids if isinstance(out, uag.GenerationResult) else out
             if name == "uag-target":
                 reference = ids
             res = results[name]
             res.seconds += seconds
             res.tokens += len(ids)
             res.prompts += 1
-            res._ids = ids  # type: ignore[attr-defined]
+            last_ids[name] = ids
             if isinstance(out, uag.GenerationResult) and out.iterations:
                 for key, value in out.time_split().items():
                     res.split[key] = res.split.get(key, 0.0) + value
-        for res in results.values():
-            res.identical += int(res._ids == reference)  # type: ignore[attr-defined]
+        for name, res in results.items():
+            res.identical += int(last_ids[name] == reference)
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     base = results["hf-target"].seconds
     rows = []
