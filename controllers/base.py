@@ -13,7 +13,7 @@ Policies never see tokenizers or models; they see numbers the loop already has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,28 @@ class DraftContext:
     """Assistant tokens drafted in the previous iteration (0 at the start)."""
     prev_accepted: int
     """Of those, how many the target accepted."""
+    drafted_total: int
+    """Assistant tokens drafted in this sequence before this iteration."""
+    accepted_total: int
+    """Of those, how many the target accepted."""
+    target_prob: float
+    """Target's probability of the last token it emitted (NaN before the first verify)."""
+    target_entropy: float
+    """Entropy (nats) of the target's distribution for that token (NaN before the first verify)."""
 
 
 @dataclass(frozen=True)
 class DraftStep:
-    """One drafted assistant token and the assistant's confidence in it."""
+    """One drafted assistant token, with everything known at run time when it was drafted.
+
+    Feature extraction (``uag.features``) reads only this, both in ``uag collect`` and at run time.
+    """
 
     position: int
     """1-based position of this token in the current draft."""
     token_id: int
+    token_bytes: bytes
+    """The drafted token's text, as UTF-8 bytes (may be part of a character)."""
     prob: float
     """Assistant probability of the drafted (argmax) token."""
     entropy: float
@@ -49,6 +62,10 @@ class DraftStep:
     """Sum of log-probabilities of the draft so far, this token included."""
     min_prob: float
     """Smallest drafted-token probability in the draft so far."""
+    target_tokens: int
+    """Target tokens the draft's text re-encodes to so far (-1 when not computed)."""
+    context: DraftContext
+    """The iteration this step belongs to."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,8 @@ class StopPolicy(Protocol):
     """Decides how far the assistant drafts. Instances hold per-sequence state: ``reset()`` it."""
 
     name: str
+    needs_features: ClassVar[bool]
+    """True when ``stop`` reads target statistics or draft re-encoding counts (they cost a little)."""
 
     def reset(self) -> None: ...
 

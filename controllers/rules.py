@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from controllers.base import DraftContext, DraftStep, IterationOutcome
 from uag.errors import UagError
@@ -19,6 +20,7 @@ class StaticPolicy:
 
     k: int = 3
     name: str = field(default="static", init=False)
+    needs_features: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _positive("lookahead", self.k)
@@ -43,6 +45,7 @@ class HeuristicPolicy:
 
     start: int = 5
     name: str = field(default="heuristic", init=False)
+    needs_features: ClassVar[bool] = False
     k: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,7 @@ class ConfidencePolicy:
     threshold: float = 0.4
     max_lookahead: int = 20
     name: str = field(default="confidence", init=False)
+    needs_features: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _positive("lookahead", self.max_lookahead)
@@ -109,6 +113,7 @@ class EntropyPolicy:
     threshold: float = 1.5
     max_lookahead: int = 20
     name: str = field(default="entropy", init=False)
+    needs_features: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _positive("lookahead", self.max_lookahead)

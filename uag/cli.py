@@ -254,11 +254,102 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_collect_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="humaneval[:train|:test], a set in data/prompts (e.g. mixed, mixed:train), or a local .jsonl/.json/.csv/.parquet file",
+    )
+    p.add_argument(
+        "--text-column",
+        default="text",
+        help="column holding the prompt text in local files (default: %(default)s)",
+    )
+    p.add_argument(
+        "--limit", type=_positive_int, default=None, help="use at most this many prompts"
+    )
+    p.add_argument(
+        "--max-lookahead",
+        type=int,
+        default=10,
+        help="tokens drafted every iteration; drafting never stops earlier (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=128,
+        help="target tokens per prompt (default: %(default)s)",
+    )
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
+    p.add_argument(
+        "--out", type=Path, required=True, help="output directory (Parquet parts + meta.json)"
+    )
+    state = p.add_mutually_exclusive_group()
+    state.add_argument(
+        "--resume", action="store_true", help="continue a run in --out, skipping finished prompts"
+    )
+    state.add_argument("--overwrite", action="store_true", help="replace a run in --out")
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        help="i/n: take prompts whose index %% n == i (one process or GPU per shard, same --out)",
+    )
+    p.add_argument(
+        "--logdir",
+        type=Path,
+        default=None,
+        help="TensorBoard log directory (default: runs/collect/<out name>)",
+    )
+
+
+def run_collect(args: argparse.Namespace) -> int:
+    from uag.collect import CollectConfig, collect, parse_shard
+
+    cfg = CollectConfig(
+        prompts=args.prompts,
+        out=args.out,
+        target=args.target,
+        assistant=args.assistant,
+        text_column=args.text_column,
+        limit=args.limit,
+        max_lookahead=args.max_lookahead,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        shard=parse_shard(args.shard),
+        logdir=args.logdir or Path("runs") / "collect" / args.out.name,
+        device=args.device,
+        dtype=args.dtype,
+        assistant_int8=args.assistant_int8,
+    )
+    s = collect(cfg)
+    print(
+        f"collected {s.rows} drafted tokens from {s.prompts_done} prompts "
+        f"({s.prompts_skipped} already done) into {s.out}; acceptance {s.acceptance_rate:.1%}; "
+        f"logging overhead {s.logging_overhead:.1%} of loop time"
+    )
+    if s.acceptance_by_position:
+        print(
+            "acceptance by draft position: "
+            + " ".join(f"{r:.2f}" for r in s.acceptance_by_position)
+        )
+    print(f"meta: {s.meta_path}")
+    print(f"TensorBoard: tensorboard --logdir {s.logdir}")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(
         help="generate text with cross-tokenizer speculative decoding",
         add_args=_add_generate_args,
         run=run_generate,
+    ),
+    "collect": Command(
+        help="log draft confidences and acceptance outcomes into a Parquet dataset",
+        add_args=_add_collect_args,
+        run=run_collect,
     ),
     "models": Command(
         help="list embedded models or convert them ahead of time",

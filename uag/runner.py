@@ -9,6 +9,7 @@ it needs: the target needs an argmax per position, the assistant a full distribu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,11 +77,11 @@ class CachedLM:
         self.cached -= drop
 
     @torch.inference_mode()
-    def greedy(self, hidden: torch.Tensor) -> list[int]:
-        """Argmax token after each row of ``hidden`` ``[n, hidden]``."""
+    def greedy(self, hidden: torch.Tensor, *, stats: bool = False) -> HeadOutput:
+        """Argmax token after each row of ``hidden`` ``[n, hidden]`` (+ its probability, entropy)."""
         if self._greedy is None:
-            return self.logits(hidden).argmax(dim=-1).tolist()
-        return self._greedy(hidden).tolist()
+            return _full_output(self.logits(hidden), stats)
+        return self._greedy(hidden, stats=stats)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -110,24 +111,36 @@ class GreedyHead:
         # A transposed copy (+1x head memory) only where it pays: the CPU path.
         self.weight_t = weight.detach().T.contiguous() if weight.device.type == "cpu" else None
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden``: [n, h] → argmax ids [n]."""
+    def __call__(self, hidden: torch.Tensor, *, stats: bool = False) -> HeadOutput:
+        """``hidden``: [n, h] → argmax ids [n] (+ probability of that id and entropy, if asked).
+
+        The statistics come from the same pass (per-chunk log-sum-exp), so they cost a few ms,
+        not another read of the head.
+        """
         if self.weight_t is None:
-            return torch.nn.functional.linear(hidden, self.weight, self.bias).argmax(dim=-1)
+            logits = torch.nn.functional.linear(hidden, self.weight, self.bias).float()
+            return _full_output(logits, stats)
         hidden = hidden.to(self.weight_t.dtype)
-        return torch.cat(
-            [self._group(hidden[i : i + HEAD_GROUP]) for i in range(0, hidden.shape[0], HEAD_GROUP)]
+        parts = [
+            self._group(hidden[i : i + HEAD_GROUP], stats)
+            for i in range(0, hidden.shape[0], HEAD_GROUP)
+        ]
+        ids = [t for p in parts for t in p.ids]
+        if not stats:
+            return HeadOutput(ids)
+        return HeadOutput(
+            ids, [x for p in parts for x in p.probs], [x for p in parts for x in p.entropies]
         )
 
-    def _group(self, x: torch.Tensor) -> torch.Tensor:
+    def _group(self, x: torch.Tensor, stats: bool) -> HeadOutput:
         wt = self.weight_t
         assert wt is not None
         if x.shape[0] == 1:  # one position: a plain vector-matrix product is the fastest path
             logits = torch.mm(x, wt)
             if self.bias is not None:
                 logits += self.bias
-            return logits.argmax(dim=-1)
-        vals, idxs = [], []
+            return _full_output(logits, stats)
+        vals, idxs, lses, means = [], [], [], []
         for start in range(0, wt.shape[1], HEAD_CHUNK):
             block = torch.mm(x, wt[:, start : start + HEAD_CHUNK])  # [g, C]
             if self.bias is not None:
@@ -135,7 +148,39 @@ class GreedyHead:
             v, i = block.max(dim=-1)  # first maximum within the chunk
             vals.append(v)
             idxs.append(i + start)
+            if stats:
+                lse = torch.logsumexp(block, dim=-1)  # [g]
+                lses.append(lse)
+                means.append((torch.exp(block - lse[:, None]) * block).sum(dim=-1))
         vals_t, idxs_t = torch.stack(vals, dim=1), torch.stack(idxs, dim=1)  # [g, chunks]
         # argmax takes the first chunk holding the maximum: ties go to the lowest id, as a plain
         # argmax over the whole row does.
-        return idxs_t.gather(1, vals_t.argmax(dim=1, keepdim=True))[:, 0]
+        best = vals_t.argmax(dim=1, keepdim=True)
+        ids = idxs_t.gather(1, best)[:, 0].tolist()
+        if not stats:
+            return HeadOutput(ids)
+        lse_c, mean_c = torch.stack(lses, dim=1), torch.stack(means, dim=1)  # [g, chunks]
+        lse = torch.logsumexp(lse_c, dim=1)  # [g]
+        expected = (torch.exp(lse_c - lse[:, None]) * mean_c).sum(dim=1)  # E_p[logit]
+        probs = torch.exp(vals_t.gather(1, best)[:, 0] - lse)
+        return HeadOutput(ids, probs.tolist(), (lse - expected).tolist())
+
+
+@dataclass
+class HeadOutput:
+    """Greedy head result per position: argmax id, and optionally its probability and the entropy."""
+
+    ids: list[int]
+    probs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+
+
+def _full_output(logits: torch.Tensor, stats: bool) -> HeadOutput:
+    ids = logits.argmax(dim=-1)
+    if not stats:
+        return HeadOutput(ids.tolist())
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return HeadOutput(
+        ids.tolist(), logp.gather(1, ids[:, None])[:, 0].exp().tolist(), entropy.tolist()
+    )

@@ -103,7 +103,7 @@ def target_only_generate(
     reason: StopReason = "max_new_tokens"
     while len(target.ids) - start < max_new_tokens:
         hidden = target.forward()
-        tok = target.greedy(hidden[-1:])[0]
+        tok = target.greedy(hidden[-1:]).ids[0]
         target.ids.append(tok)
         if on_tokens:
             on_tokens([tok])
@@ -148,6 +148,18 @@ class _AssistantText:
         return keep
 
 
+def _candidates(
+    bridge: Bridge, target: CachedLM, text: bytearray, assistant_text: bytearray, room: int
+) -> list[int]:
+    """Target ids for the drafted text past the target's own text (whole characters only)."""
+    if assistant_text[: len(text)] != text:
+        return []  # the assistant lags inside a character the target has not finished
+    ids, _ = bridge.target.continuation(
+        tail=bridge.tail(bridge.target, target.ids), new=bytes(assistant_text[len(text) :])
+    )
+    return ids[: room - 1]
+
+
 def speculative_generate(
     *,
     target: CachedLM,
@@ -174,6 +186,10 @@ def speculative_generate(
     records: list[IterationRecord] = []
     reason: StopReason = "max_new_tokens"
     prev = IterationOutcome(drafted=0, accepted=0)
+    drafted_total = accepted_total = 0
+    target_prob = target_entropy = math.nan
+    # Target statistics and per-step re-encoding counts cost a little: only when someone reads them.
+    rich = keep_steps or policy.needs_features
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
@@ -193,6 +209,10 @@ def speculative_generate(
             remaining=room,
             prev_drafted=prev.drafted,
             prev_accepted=prev.accepted,
+            drafted_total=drafted_total,
+            accepted_total=accepted_total,
+            target_prob=target_prob,
+            target_entropy=target_entropy,
         )
         t0 = clock()
         budget = policy.budget(ctx) if text_complete and room > 1 else 0
@@ -216,17 +236,25 @@ def speculative_generate(
                 break  # the assistant thinks the text ends here; the target decides that itself
             cum_logprob += math.log(max(p1, 1e-30))
             min_prob = min(min_prob, p1)
+            a_text.append([tok])
+            target_tokens = -1
+            if rich:
+                t0 = clock()
+                target_tokens = len(_candidates(bridge, target, text, a_text.data, room))
+                bridge_s += clock() - t0
             step = DraftStep(
                 position=position,
                 token_id=tok,
+                token_bytes=bridge.assistant.table[tok],
                 prob=p1,
                 entropy=entropy,
                 margin=p1 - p2,
                 cum_logprob=cum_logprob,
                 min_prob=min_prob,
+                target_tokens=target_tokens,
+                context=ctx,
             )
             steps.append(step)
-            a_text.append([tok])
             t0 = clock()
             halt = policy.stop(step)
             policy_s += clock() - t0
@@ -235,13 +263,7 @@ def speculative_generate(
 
         # 3. drafted text → target candidates (after the target's own text, whole characters).
         t0 = clock()
-        candidates: list[int] = []
-        if steps and a_text.data[: len(text)] == text:
-            draft_text = bytes(a_text.data[len(text) :])
-            candidates, _ = bridge.target.continuation(
-                tail=bridge.tail(bridge.target, target.ids), new=draft_text
-            )
-            candidates = candidates[: room - 1]
+        candidates = _candidates(bridge, target, text, a_text.data, room) if steps else []
         bridge_s += clock() - t0
 
         # 4. verify: one forward over the pending token(s) and all candidates.
@@ -249,7 +271,8 @@ def speculative_generate(
         base = len(target.ids)
         target.ids.extend(candidates)
         hidden = target.forward()
-        preds = target.greedy(hidden[-(len(candidates) + 1) :])  # [m + 1]
+        head = target.greedy(hidden[-(len(candidates) + 1) :], stats=rich)
+        preds = head.ids  # [m + 1]: the target's choice after the pending token and each candidate
         accepted = 0
         while accepted < len(candidates) and candidates[accepted] == preds[accepted]:
             accepted += 1
@@ -260,6 +283,11 @@ def speculative_generate(
         target.truncate(base + in_cache)
         target.ids.extend(emitted[in_cache:])
         verify_s = clock() - t0
+        if rich:
+            target_prob, target_entropy = (
+                head.probs[len(emitted) - 1],
+                head.entropies[len(emitted) - 1],
+            )
         text += bridge.target.bytes_of(emitted)
         if on_tokens:
             on_tokens(emitted)
@@ -270,6 +298,8 @@ def speculative_generate(
         accepted_drafts = max(kept - committed, 0)
         bridge_s += clock() - t0
         prev = IterationOutcome(drafted=len(steps), accepted=accepted_drafts)
+        drafted_total += len(steps)
+        accepted_total += accepted_drafts
         t0 = clock()
         policy.update(prev)
         policy_s += clock() - t0

@@ -1,0 +1,335 @@
+"""``uag collect``: run UAG with a long, never-stopping draft and log every drafted token.
+
+Output directory layout (one run; several ``--shard i/n`` processes may share it)::
+
+    DIR/meta.json                   (or meta-<i>of<n>.json per shard when n > 1)
+    DIR/part-<sha1(prompt id)>.parquet   one file per prompt, written atomically after it finishes
+
+One file per prompt makes a crash or Ctrl-C lose at most the prompt in flight, makes ``--resume``
+a matter of checking which files exist, and keeps shards from clashing (their prompts differ).
+Read it all with::
+
+    datasets.load_dataset("parquet", data_files="DIR/part-*.parquet", split="train")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from controllers.rules import StaticPolicy
+from uag.errors import UagError
+from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
+from uag.prompts import Prompt, load_prompts
+
+ITERATION_COLUMNS = (
+    "iter_drafted",
+    "iter_candidates",
+    "iter_accepted_candidates",
+    "iter_emitted",
+    "iter_accepted_drafts",
+    "iter_draft_s",
+    "iter_verify_s",
+)
+"""Per-iteration columns repeated on each of its rows; ``iter_accepted_drafts`` is the oracle
+stop point (how many tokens a perfect controller would have drafted this iteration)."""
+
+
+@dataclass
+class CollectConfig:
+    """What to collect, from which pair, and where to write it."""
+
+    prompts: str
+    """Prompt source: humaneval[:train|:test], a shipped set (data/prompts), or a local file."""
+    out: Path
+    target: str = "gemma-3-270m"
+    assistant: str = "smollm2-135m"
+    text_column: str = "text"
+    limit: int | None = None
+    max_lookahead: int = 10
+    """Tokens drafted every iteration (the draft never stops earlier, except at the assistant's EOS)."""
+    max_new_tokens: int = 128
+    chat: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    shard: tuple[int, int] = (0, 1)
+    """(i, n): this process takes prompts whose index % n == i."""
+    logdir: Path | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    assistant_int8: bool = False
+    profile_repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if self.max_lookahead < 1:
+            raise UagError(f"--max-lookahead must be at least 1, got {self.max_lookahead}")
+        if self.max_new_tokens < 1:
+            raise UagError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.limit is not None and self.limit < 1:
+            raise UagError(f"--limit must be at least 1, got {self.limit}")
+        i, n = self.shard
+        if not (n >= 1 and 0 <= i < n):
+            raise UagError(f"--shard must be i/n with 0 <= i < n, got {i}/{n}")
+        if self.resume and self.overwrite:
+            raise UagError("--resume and --overwrite contradict each other: pick one")
+
+
+@dataclass
+class CollectSummary:
+    """What a collect run did."""
+
+    out: Path
+    prompts_total: int
+    prompts_done: int
+    prompts_skipped: int
+    rows: int
+    accepted: int
+    loop_seconds: float
+    logging_seconds: float
+    meta_path: Path
+    logdir: Path | None = None
+    acceptance_by_position: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.rows if self.rows else 0.0
+
+    @property
+    def logging_overhead(self) -> float:
+        """Logging time (features, Parquet, TensorBoard) as a share of the loop's time."""
+        return self.logging_seconds / self.loop_seconds if self.loop_seconds else 0.0
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UagError(f"--shard must look like i/n (e.g. 0/4), got {text!r}") from None
+    return i, n
+
+
+def part_path(out: Path, prompt_id: str) -> Path:
+    return out / f"part-{hashlib.sha1(prompt_id.encode()).hexdigest()[:16]}.parquet"
+
+
+def meta_path(out: Path, shard: tuple[int, int]) -> Path:
+    i, n = shard
+    return out / ("meta.json" if n == 1 else f"meta-{i}of{n}.json")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def rows_for_prompt(prompt: Prompt, iterations: list[Any]) -> dict[str, np.ndarray]:
+    """Column arrays for one prompt's drafted tokens (labels from the iteration records)."""
+    steps = [s for r in iterations for s in r.steps]
+    feats = feature_rows(steps)
+    columns: dict[str, np.ndarray] = {name: feats[:, j] for j, name in enumerate(FEATURE_NAMES)}
+    accepted, iteration, position, token = [], [], [], []
+    per_iter: dict[str, list[float]] = {c: [] for c in ITERATION_COLUMNS}
+    for it, rec in enumerate(iterations):
+        for s in rec.steps:
+            # Label: the text of drafts 1..i lies inside the accepted text (monotone by construction).
+            accepted.append(int(s.position <= rec.accepted_drafts))
+            iteration.append(it)
+            position.append(s.position)
+            token.append(s.token_id)
+            per_iter["iter_drafted"].append(rec.drafted)
+            per_iter["iter_candidates"].append(rec.candidates)
+            per_iter["iter_accepted_candidates"].append(rec.accepted_candidates)
+            per_iter["iter_emitted"].append(rec.emitted)
+            per_iter["iter_accepted_drafts"].append(rec.accepted_drafts)
+            per_iter["iter_draft_s"].append(rec.draft_s)
+            per_iter["iter_verify_s"].append(rec.verify_s)
+    columns["accepted"] = np.asarray(accepted, dtype=np.int8)
+    columns["prompt_id"] = np.asarray([prompt.id] * len(accepted), dtype=object)
+    columns["iteration"] = np.asarray(iteration, dtype=np.int32)
+    columns["position"] = np.asarray(position, dtype=np.int32)
+    columns["token_id"] = np.asarray(token, dtype=np.int64)
+    for name, values in per_iter.items():
+        dtype = np.float32 if name.endswith("_s") else np.int32
+        columns[name] = np.asarray(values, dtype=dtype)
+    return columns
+
+
+def write_part(path: Path, columns: dict[str, np.ndarray]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({k: pa.array(v) for k, v in columns.items()})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _prepare_out(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
+    """Check DIR against --resume/--overwrite; return the prompts still to do."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    meta = meta_path(cfg.out, cfg.shard)
+    existing = [p for p in mine if part_path(cfg.out, p.id).exists()]
+    if (existing or meta.exists()) and not (cfg.resume or cfg.overwrite):
+        raise UagError(
+            f"{cfg.out} already holds a collect run: pass --resume to continue it or --overwrite to replace it"
+        )
+    if cfg.overwrite:
+        for p in existing:
+            part_path(cfg.out, p.id).unlink()
+        meta.unlink(missing_ok=True)
+        return mine
+    if cfg.resume and meta.exists():
+        old = json.loads(meta.read_text())
+        for key, want in (
+            ("schema_version", SCHEMA_VERSION),
+            ("feature_names", list(FEATURE_NAMES)),
+            ("target", cfg.target),
+            ("assistant", cfg.assistant),
+        ):
+            if old.get(key) != want:
+                raise UagError(
+                    f"cannot resume {cfg.out}: its {key} is {old.get(key)!r}, this run's is {want!r}"
+                )
+    done = {p.id for p in existing}
+    return [p for p in mine if p.id not in done]
+
+
+def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
+    """Run the collection described by ``cfg`` (see the module docstring for the layout)."""
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    import uag
+    from uag.api import encode_prompt, render_prompt
+    from uag.latency import measure_profile
+    from uag.speculative import speculative_generate
+
+    prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    i, n = cfg.shard
+    mine = [p for k, p in enumerate(prompts) if k % n == i]
+    todo = _prepare_out(cfg, mine)
+    pair = uag.load_pair(
+        cfg.target,
+        cfg.assistant,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        assistant_int8=cfg.assistant_int8,
+    )
+
+    meta = meta_path(cfg.out, cfg.shard)
+    if not meta.exists():
+        profile = measure_profile(
+            target=pair.target_lm,
+            assistant=pair.assistant_lm,
+            max_candidates=cfg.max_lookahead + 1,
+            repeats=cfg.profile_repeats,
+        )
+        record = {
+            "schema_version": SCHEMA_VERSION,
+            "feature_names": list(FEATURE_NAMES),
+            "target": cfg.target,
+            "assistant": cfg.assistant,
+            "assistant_int8": cfg.assistant_int8,
+            "prompt_source": cfg.prompts,
+            "text_column": cfg.text_column,
+            "chat": cfg.chat,
+            "max_lookahead": cfg.max_lookahead,
+            "max_new_tokens": cfg.max_new_tokens,
+            "shard": list(cfg.shard),
+            "latency_profile": profile.to_dict(),
+            "versions": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "uag": uag.__version__,
+            },
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        }
+        _atomic_write_bytes(meta, json.dumps(record, indent=2).encode())
+
+    writer = None
+    logdir = cfg.logdir
+    if logdir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(logdir))
+    summary = CollectSummary(
+        out=cfg.out,
+        prompts_total=len(mine),
+        prompts_done=0,
+        prompts_skipped=len(mine) - len(todo),
+        rows=0,
+        accepted=0,
+        loop_seconds=0.0,
+        logging_seconds=0.0,
+        meta_path=meta,
+        logdir=logdir,
+    )
+    by_pos_total = np.zeros(cfg.max_lookahead + 1)
+    by_pos_accepted = np.zeros(cfg.max_lookahead + 1)
+    probs_acc: list[np.ndarray] = []
+    probs_rej: list[np.ndarray] = []
+    bar = tqdm(todo, desc=f"collect {i}/{n}", unit="prompt", disable=not progress)
+    for prompt in bar:
+        text = render_prompt(pair, prompt.text, chat=cfg.chat)
+        target_ids, assistant_ids = encode_prompt(pair, text)
+        start = time.perf_counter()
+        out = speculative_generate(
+            target=pair.target_lm,
+            assistant=pair.assistant_lm,
+            bridge=pair.bridge,
+            target_eos=pair.target.eos_ids,
+            assistant_eos=pair.assistant.eos_ids,
+            prompt_target_ids=target_ids,
+            prompt_assistant_ids=assistant_ids,
+            policy=StaticPolicy(k=cfg.max_lookahead),
+            max_new_tokens=cfg.max_new_tokens,
+            keep_steps=True,
+        )
+        loop_s = time.perf_counter() - start
+        start = time.perf_counter()
+        columns = rows_for_prompt(prompt, out.iterations)
+        write_part(part_path(cfg.out, prompt.id), columns)
+        acc = columns["accepted"].astype(bool)
+        pos = columns["position"]
+        np.add.at(by_pos_total, pos, 1)
+        np.add.at(by_pos_accepted, pos[acc], 1)
+        probs_acc.append(columns["prob"][acc])
+        probs_rej.append(columns["prob"][~acc])
+        summary.prompts_done += 1
+        summary.rows += len(acc)
+        summary.accepted += int(acc.sum())
+        if writer is not None:
+            step = summary.prompts_done + summary.prompts_skipped
+            writer.add_scalar(
+                "collect/acceptance_rate", float(acc.mean()) if len(acc) else 0.0, step
+            )
+            writer.add_scalar(
+                "collect/tokens_per_target_forward",
+                len(out.ids) / max(len(out.iterations), 1),
+                step,
+            )
+        # Logging is measured against the loop so its overhead can be reported (target: < 5%).
+        summary.logging_seconds += time.perf_counter() - start
+        summary.loop_seconds += loop_s
+        bar.set_postfix(acceptance=f"{summary.acceptance_rate:.1%}", rows=summary.rows)
+    summary.acceptance_by_position = [
+        float(a / t) if t else 0.0
+        for a, t in zip(by_pos_accepted[1:], by_pos_total[1:], strict=True)
+    ]
+    if writer is not None:
+        for p, rate in enumerate(summary.acceptance_by_position, start=1):
+            writer.add_scalar("collect/acceptance_by_position", rate, p)
+        if probs_acc:
+            writer.add_histogram("collect/prob_accepted", np.concatenate(probs_acc), 0)
+            writer.add_histogram("collect/prob_rejected", np.concatenate(probs_rej), 0)
+        writer.close()
+    return summary

@@ -1,0 +1,136 @@
+"""The one feature extractor: a drafted token (``DraftStep``) → a float32 row.
+
+``uag collect`` writes these rows and the learned controller computes them at run time with the
+same function, so training and inference cannot drift apart. ``SCHEMA_VERSION`` changes whenever
+a feature is added, removed, re-ordered or re-defined; ONNX controllers carry the version and the
+names, and the runtime refuses a mismatch.
+
+Every feature is cheap: numbers the loop already has, no second model call.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from controllers.base import DraftStep
+
+SCHEMA_VERSION = 1
+
+_PUNCT = set(string.punctuation) | set("…—–“”‘’«»、。，！？：；")
+
+
+def _text(step: DraftStep) -> str:
+    return step.token_bytes.decode("utf-8", errors="replace")
+
+
+def _finite(x: float, default: float) -> float:
+    return default if math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    doc: str
+    """Why it might predict acceptance."""
+    fn: Callable[[DraftStep], float]
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "position",
+        "later drafted tokens are right only if every earlier one was",
+        lambda s: s.position,
+    ),
+    Feature(
+        "target_tokens",
+        "verification cost grows with the candidates the draft has become",
+        lambda s: s.target_tokens,
+    ),
+    Feature("prob", "the assistant's own confidence in the token it drafted", lambda s: s.prob),
+    Feature(
+        "entropy",
+        "a spread-out assistant distribution means a guess, even if top-1 is likely",
+        lambda s: s.entropy,
+    ),
+    Feature(
+        "margin",
+        "a close second choice means the target may well pick the other one",
+        lambda s: s.margin,
+    ),
+    Feature(
+        "cum_logprob",
+        "log-probability that the whole draft so far is right, if calibrated",
+        lambda s: s.cum_logprob,
+    ),
+    Feature(
+        "min_prob", "the weakest link of the draft so far bounds its survival", lambda s: s.min_prob
+    ),
+    Feature(
+        "prev_drafted",
+        "how far the previous round drafted (context for the next feature)",
+        lambda s: s.context.prev_drafted,
+    ),
+    Feature(
+        "prev_accepted",
+        "agreement is bursty: a well-accepted round predicts another",
+        lambda s: s.context.prev_accepted,
+    ),
+    Feature(
+        "target_prob",
+        "the target's confidence in its last token: predictable text ahead",
+        lambda s: _finite(s.context.target_prob, 0.5),
+    ),
+    Feature(
+        "target_entropy",
+        "the target's uncertainty now: hard text for both models",
+        lambda s: _finite(s.context.target_entropy, 2.0),
+    ),
+    Feature(
+        "running_accept",
+        "how well the two models agree on this sequence so far (0.5 before any draft)",
+        lambda s: (s.context.accepted_total + 1) / (s.context.drafted_total + 2),
+    ),
+    Feature(
+        "generated",
+        "log of target tokens generated so far: the start of an answer is harder",
+        lambda s: math.log1p(s.context.generated),
+    ),
+    Feature(
+        "is_space",
+        "whitespace tokens (indentation) are usually easy to agree on",
+        lambda s: float(_text(s).isspace()),
+    ),
+    Feature(
+        "has_newline", "line ends are where continuations fork", lambda s: float("\n" in _text(s))
+    ),
+    Feature(
+        "is_punct",
+        "punctuation is often forced by syntax",
+        lambda s: float(bool(_text(s).strip()) and all(c in _PUNCT for c in _text(s).strip())),
+    ),
+    Feature(
+        "has_digit",
+        "numbers are hard to guess",
+        lambda s: float(any(c.isdigit() for c in _text(s))),
+    ),
+    Feature("token_chars", "long tokens carry more text to get wrong", lambda s: len(_text(s))),
+)
+
+FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
+
+
+def feature_row(step: DraftStep) -> np.ndarray:
+    """The feature vector ``[F]`` (float32) of one drafted token."""
+    return np.fromiter((f.fn(step) for f in FEATURES), dtype=np.float32, count=len(FEATURES))
+
+
+def feature_rows(steps: Sequence[DraftStep]) -> np.ndarray:
+    """Feature matrix ``[N, F]`` (float32)."""
+    if not steps:
+        return np.zeros((0, len(FEATURES)), dtype=np.float32)
+    return np.stack([feature_row(s) for s in steps])

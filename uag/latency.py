@@ -1,0 +1,109 @@
+"""What drafting and verifying cost on this machine: the latency profile.
+
+A learned controller trades draft work against target passes, so it needs the prices: one
+assistant draft step, and one target verification of ``m`` candidates (``m + 1`` positions) for
+every ``m`` it may meet. They are measured on the real models at a fixed context, as medians of
+repeats after a warm-up, and travel with the collected data and the exported controller.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from uag.runner import CachedLM
+
+PROFILE_CONTEXT = 128
+"""Context length (tokens) the profile is measured at."""
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Median seconds per operation on one machine (``verify_s[m]``: m candidates, m = 0..L+1)."""
+
+    device: str
+    draft_s: float
+    """One assistant step: one token in, full distribution out."""
+    verify_s: list[float]
+    """Target pass over the pending token and ``m`` candidates, greedy head included."""
+    context_tokens: int = PROFILE_CONTEXT
+
+    @property
+    def target_step_s(self) -> float:
+        """A plain target step (no candidates): what target-alone decoding pays per token."""
+        return self.verify_s[0]
+
+    def verify(self, candidates: int) -> float:
+        """Cost of verifying ``candidates`` (beyond the profile: extrapolated linearly)."""
+        if candidates < len(self.verify_s):
+            return self.verify_s[candidates]
+        last, prev = self.verify_s[-1], self.verify_s[-2] if len(self.verify_s) > 1 else 0.0
+        return last + (candidates - len(self.verify_s) + 1) * max(last - prev, 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LatencyProfile:
+        return cls(
+            device=str(data["device"]),
+            draft_s=float(data["draft_s"]),
+            verify_s=[float(x) for x in data["verify_s"]],
+            context_tokens=int(data.get("context_tokens", PROFILE_CONTEXT)),
+        )
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+
+
+def _median_time(fn: Any, repeats: int, device: torch.device) -> float:
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i > 0:  # the first call is a warm-up
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_profile(
+    *, target: CachedLM, assistant: CachedLM, max_candidates: int, repeats: int = 5
+) -> LatencyProfile:
+    """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models."""
+    context = list(range(1000, 1000 + PROFILE_CONTEXT))
+
+    def draft() -> None:
+        assistant.ids.append(1234)
+        hidden = assistant.forward()
+        torch.softmax(assistant.logits(hidden[-1:])[0], dim=-1).max()
+        assistant.truncate(PROFILE_CONTEXT)
+
+    assistant.reset(context, rollback=True)
+    assistant.forward()
+    draft_s = _median_time(draft, repeats, assistant.device)
+
+    target.reset(context, rollback=True)
+    target.forward()
+    verify_s = []
+    for m in range(max_candidates + 1):
+
+        def verify(m: int = m) -> None:
+            target.ids.extend(range(2000, 2001 + m))
+            hidden = target.forward()
+            target.greedy(hidden, stats=True)
+            target.truncate(PROFILE_CONTEXT)
+
+        verify_s.append(_median_time(verify, repeats, target.device))
+    return LatencyProfile(device=describe_device(target.device), draft_s=draft_s, verify_s=verify_s)
