@@ -31,3 +31,22 @@ def real_pair():
     import uag
 
     return uag.load_pair()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, tokenizers):
+    """Tiny target/assistant checkpoints on disk, so CLI commands can load them by path."""
+    from tests.tiny import tiny_gemma, tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    gemma_tok, smol_tok = tokenizers
+    dirs = []
+    for name, model, tok in (
+        ("target", tiny_gemma(len(gemma_tok)), gemma_tok),
+        ("assistant", tiny_llama(len(smol_tok)), smol_tok),
+    ):
+        path = root / name
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        dirs.append(str(path))
+    return tuple(dirs)

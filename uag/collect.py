@@ -328,8 +328,12 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     if writer is not None:
         for p, rate in enumerate(summary.acceptance_by_position, start=1):
             writer.add_scalar("collect/acceptance_by_position", rate, p)
-        if probs_acc:
-            writer.add_histogram("collect/prob_accepted", np.concatenate(probs_acc), 0)
-            writer.add_histogram("collect/prob_rejected", np.concatenate(probs_rej), 0)
+        for tag, parts in (
+            ("collect/prob_accepted", probs_acc),
+            ("collect/prob_rejected", probs_rej),
+        ):
+            values = np.concatenate(parts) if parts else np.zeros(0)
+            if values.size:  # TensorBoard refuses an empty histogram
+                writer.add_histogram(tag, values, 0)
         writer.close()
     return summary

@@ -1,0 +1,263 @@
+"""uag collect: exact labels, the runtime's own features, crash-safe resume, clean errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import uag
+from controllers.base import DraftContext, DraftStep, IterationOutcome
+from tests.tiny import same_tokenizer_pair
+from uag.cli import main
+from uag.collect import CollectConfig, collect, rows_for_prompt
+from uag.features import FEATURE_NAMES, feature_row
+from uag.prompts import Prompt
+from uag.speculative import IterationRecord
+
+
+def _read_dir(out):
+    tables = [pq.read_table(p).to_pandas() for p in sorted(out.glob("part-*.parquet"))]
+    import pandas as pd
+
+    return pd.concat(tables, ignore_index=True)
+
+
+def _step(position: int) -> DraftStep:
+    ctx = DraftContext(
+        iteration=0,
+        generated=0,
+        remaining=9,
+        prev_drafted=0,
+        prev_accepted=0,
+        drafted_total=0,
+        accepted_total=0,
+        target_prob=float("nan"),
+        target_entropy=float("nan"),
+    )
+    return DraftStep(
+        position=position,
+        token_id=position,
+        token_bytes=b"x",
+        prob=0.5,
+        entropy=1.0,
+        margin=0.1,
+        cum_logprob=-1.0,
+        min_prob=0.5,
+        target_tokens=position,
+        context=ctx,
+    )
+
+
+def test_labels_and_oracle_from_records():
+    rec = lambda drafted, accepted: IterationRecord(  # noqa: E731
+        drafted=drafted,
+        candidates=drafted,
+        accepted_candidates=accepted,
+        emitted=accepted + 1,
+        accepted_drafts=accepted,
+        draft_s=0.1,
+        verify_s=0.2,
+        bridge_s=0.0,
+        policy_s=0.0,
+        steps=tuple(_step(p) for p in range(1, drafted + 1)),
+    )
+    cols = rows_for_prompt(Prompt("p", "t"), [rec(4, 2), rec(3, 0), rec(2, 2)])
+    assert cols["accepted"].tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 1]
+    assert cols["iteration"].tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2]
+    assert cols["iter_accepted_drafts"].tolist() == [2, 2, 2, 2, 0, 0, 0, 2, 2]
+    assert set(FEATURE_NAMES) <= set(cols)
+
+
+def test_loop_labels_match_output_text(tokenizers):
+    """Recompute every label from the final output: draft 1..i's bytes lie within the text the
+    target accepted in that iteration."""
+    pair = same_tokenizer_pair(tokenizers, noise=0.05)
+    res = uag.generate(
+        pair, "def f(x):\n    return", policy=uag_static(5), max_new_tokens=60, keep_steps=True
+    )
+    table = pair.bridge.target.table
+    out_bytes = [table[t] for t in res.token_ids]
+    start, seen_accept, seen_reject = 0, False, False
+    for rec in res.iterations:
+        accepted_text = b"".join(out_bytes[start : start + rec.emitted])
+        draft = b""
+        for step in rec.steps:
+            draft += step.token_bytes
+            label = step.position <= rec.accepted_drafts
+            assert label == accepted_text.startswith(draft)
+            seen_accept |= label
+            seen_reject |= not label
+        start += rec.emitted
+    assert seen_accept and seen_reject
+
+
+def uag_static(k):
+    from controllers.rules import StaticPolicy
+
+    return StaticPolicy(k=k)
+
+
+@dataclass
+class RecordingPolicy:
+    """Static lookahead that records the feature rows the runtime computes at each stop()."""
+
+    k: int
+    name: str = "recording"
+    needs_features: ClassVar[bool] = True
+    rows: list[np.ndarray] = field(default_factory=list)
+
+    def reset(self) -> None:
+        pass
+
+    def budget(self, ctx: DraftContext) -> int:
+        return self.k
+
+    def stop(self, step: DraftStep) -> bool:
+        self.rows.append(feature_row(step))
+        return False
+
+    def update(self, outcome: IterationOutcome) -> None:
+        pass
+
+
+def test_collector_features_equal_runtime_features(tiny_dirs, tmp_path):
+    target_dir, assistant_dir = tiny_dirs
+    prompt_file = tmp_path / "p.jsonl"
+    prompt_file.write_text(json.dumps({"id": "a", "text": "Hello there, how are"}) + "\n")
+    out = tmp_path / "run"
+    collect(
+        CollectConfig(
+            prompts=str(prompt_file),
+            out=out,
+            target=target_dir,
+            assistant=assistant_dir,
+            max_lookahead=4,
+            max_new_tokens=20,
+            profile_repeats=1,
+        ),
+        progress=False,
+    )
+    df = _read_dir(out)
+    pair = uag.load_pair(target_dir, assistant_dir)
+    policy = RecordingPolicy(k=4)
+    uag.generate(pair, "Hello there, how are", policy=policy, max_new_tokens=20)
+    runtime = np.stack(policy.rows)
+    collected = df[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
+    assert collected.shape == runtime.shape and len(runtime) > 0
+    np.testing.assert_array_equal(collected, runtime)
+
+
+def test_kill_9_then_resume(tiny_dirs, tmp_path):
+    target_dir, assistant_dir = tiny_dirs
+    out = tmp_path / "run"
+    argv = [
+        sys.executable,
+        "-m",
+        "uag.cli",
+        "collect",
+        "--target",
+        target_dir,
+        "--assistant",
+        assistant_dir,
+        "--prompts",
+        "mixed",
+        "--limit",
+        "40",
+        "--max-new-tokens",
+        "24",
+        "--max-lookahead",
+        "4",
+        "--out",
+        str(out),
+        "--logdir",
+        str(tmp_path / "tb"),
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while (
+        len(list(out.glob("part-*.parquet"))) < 3 and time.time() < deadline and proc.poll() is None
+    ):
+        time.sleep(0.05)
+    assert proc.poll() is None, "collect finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = len(list(out.glob("part-*.parquet")))
+    assert 3 <= partial < 40
+    # Restarting without --resume is refused; with --resume it finishes the rest.
+    assert subprocess.run(argv, capture_output=True).returncode == 2
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"({partial} already done)" in done.stdout
+    df = _read_dir(out)
+    assert len(list(out.glob("part-*.parquet"))) == 40
+    assert df["prompt_id"].nunique() == len(set(df["prompt_id"]))
+    assert not df.duplicated(["prompt_id", "iteration", "position"]).any()
+    assert not list(out.glob(".*tmp"))
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_collect_input(tmp_path, capsys, tiny_dirs):
+    base = ["collect", "--target", tiny_dirs[0], "--assistant", tiny_dirs[1]]
+    assert (
+        main([*base, "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
+        == 2
+    )
+    assert "not found" in _one_line(capsys)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main([*base, "--prompts", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "empty" in _one_line(capsys)
+    csv = tmp_path / "p.csv"
+    csv.write_text("id,question\n1,hello\n")
+    assert main([*base, "--prompts", str(csv), "--out", str(tmp_path / "o")]) == 2
+    assert "no column 'text'" in _one_line(capsys)
+    assert (
+        main([*base, "--prompts", "mixed", "--max-lookahead", "0", "--out", str(tmp_path / "o")])
+        == 2
+    )
+    assert "--max-lookahead" in _one_line(capsys)
+    assert main([*base, "--prompts", "nonsense-source", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown prompt source" in _one_line(capsys)
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "meta.json").write_text("{}")
+    assert main([*base, "--prompts", "mixed", "--out", str(held)]) == 2
+    assert "--resume" in _one_line(capsys)
+
+
+def test_shards_split_prompts_and_share_a_directory(tiny_dirs, tmp_path):
+    target_dir, assistant_dir = tiny_dirs
+    out = tmp_path / "run"
+    for i in range(2):
+        collect(
+            CollectConfig(
+                prompts="mixed",
+                limit=6,
+                out=out,
+                target=target_dir,
+                assistant=assistant_dir,
+                max_lookahead=3,
+                max_new_tokens=8,
+                shard=(i, 2),
+                profile_repeats=1,
+            ),
+            progress=False,
+        )
+    assert (out / "meta-0of2.json").exists() and (out / "meta-1of2.json").exists()
+    df = _read_dir(out)
+    assert df["prompt_id"].nunique() == 6
