@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 
 import uag
 from controllers.base import DraftContext, DraftStep, IterationOutcome
