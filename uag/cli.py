@@ -301,6 +301,11 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="TensorBoard log directory (default: runs/collect/<out name>)",
     )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="re-measure the latency profile even when resuming (new machine, faster code)",
+    )
 
 
 def run_collect(args: argparse.Namespace) -> int:
@@ -323,6 +328,7 @@ def run_collect(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
+        reprofile=args.reprofile,
     )
     s = collect(cfg)
     print(
@@ -340,6 +346,105 @@ def run_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hidden(value: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected widths like 32,32, got {value!r}") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"widths must be positive, got {value!r}")
+    return widths
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="one or more uag collect output directories (same schema)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("exports/ctrl.onnx"),
+        help="ONNX file to write (default: %(default)s)",
+    )
+    p.add_argument(
+        "--logdir",
+        type=Path,
+        default=Path("runs"),
+        help="TensorBoard log directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-epochs",
+        type=_positive_int,
+        default=30,
+        help="training epochs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--hidden",
+        type=_hidden,
+        default=(32, 32),
+        help="MLP hidden widths, comma-separated (default: 32,32)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for the prompt split and training (default: %(default)s)",
+    )
+    p.add_argument("--batch-size", type=_positive_int, default=512)
+    p.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--accelerator",
+        default="auto",
+        help="Lightning accelerator: auto, cpu, gpu (default: %(default)s)",
+    )
+    p.add_argument(
+        "--devices",
+        default="auto",
+        help="Lightning devices, e.g. 1, 4 or auto (default: %(default)s)",
+    )
+    p.add_argument(
+        "--strategy",
+        default="auto",
+        help="Lightning strategy, e.g. ddp for multi-GPU (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-nodes",
+        type=_positive_int,
+        default=1,
+        help="machines for multi-node training (default: %(default)s)",
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from training.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        data=args.data,
+        out=args.out,
+        logdir=args.logdir,
+        max_epochs=args.max_epochs,
+        hidden=args.hidden,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=args.strategy,
+        num_nodes=args.num_nodes,
+    )
+    summary = train(cfg)
+    print(summary.table())
+    print(f"wrote {summary.out} (onnxruntime vs torch max |diff| {summary.onnx_max_abs_diff:.2e})")
+    print(f"TensorBoard: tensorboard --logdir {cfg.logdir}   (this run: {summary.log_dir})")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(
         help="generate text with cross-tokenizer speculative decoding",
@@ -350,6 +455,11 @@ COMMANDS: dict[str, Command] = {
         help="log draft confidences and acceptance outcomes into a Parquet dataset",
         add_args=_add_collect_args,
         run=run_collect,
+    ),
+    "train-controller": Command(
+        help="train the stop controller on collected data and export it to ONNX",
+        add_args=_add_train_args,
+        run=run_train,
     ),
     "models": Command(
         help="list embedded models or convert them ahead of time",

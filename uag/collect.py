@@ -66,6 +66,8 @@ class CollectConfig:
     dtype: str = "auto"
     assistant_int8: bool = False
     profile_repeats: int = 5
+    reprofile: bool = False
+    """Measure the latency profile again even when resuming (new machine, faster code)."""
 
     def __post_init__(self) -> None:
         if self.max_lookahead < 1:
@@ -226,7 +228,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     )
 
     meta = meta_path(cfg.out, cfg.shard)
-    if not meta.exists():
+    if not meta.exists() or cfg.reprofile:
         profile = measure_profile(
             target=pair.target_lm,
             assistant=pair.assistant_lm,

@@ -102,7 +102,7 @@ def measure_profile(
         def verify(m: int = m) -> None:
             target.ids.extend(range(2000, 2001 + m))
             hidden = target.forward()
-            target.greedy(hidden, stats=True)
+            target.greedy(hidden).stats(0)
             target.truncate(PROFILE_CONTEXT)
 
         verify_s.append(_median_time(verify, repeats, target.device))

@@ -77,11 +77,12 @@ class CachedLM:
         self.cached -= drop
 
     @torch.inference_mode()
-    def greedy(self, hidden: torch.Tensor, *, stats: bool = False) -> HeadOutput:
-        """Argmax token after each row of ``hidden`` ``[n, hidden]`` (+ its probability, entropy)."""
+    def greedy(self, hidden: torch.Tensor) -> HeadOutput:
+        """Argmax token after each row of ``hidden`` ``[n, hidden]`` (statistics on demand)."""
         if self._greedy is None:
-            return _full_output(self.logits(hidden), stats)
-        return self._greedy(hidden, stats=stats)
+            logits = self.logits(hidden)
+            return HeadOutput(logits.argmax(dim=-1).tolist(), [logits])
+        return self._greedy(hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -111,36 +112,27 @@ class GreedyHead:
         # A transposed copy (+1x head memory) only where it pays: the CPU path.
         self.weight_t = weight.detach().T.contiguous() if weight.device.type == "cpu" else None
 
-    def __call__(self, hidden: torch.Tensor, *, stats: bool = False) -> HeadOutput:
-        """``hidden``: [n, h] → argmax ids [n] (+ probability of that id and entropy, if asked).
-
-        The statistics come from the same pass (per-chunk log-sum-exp), so they cost a few ms,
-        not another read of the head.
-        """
+    def __call__(self, hidden: torch.Tensor) -> HeadOutput:
+        """``hidden``: [n, h] → argmax ids [n], keeping the logits for ``HeadOutput.stats``."""
         if self.weight_t is None:
-            logits = torch.nn.functional.linear(hidden, self.weight, self.bias).float()
-            return _full_output(logits, stats)
+            logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
+            return HeadOutput(logits.argmax(dim=-1).tolist(), [logits])
         hidden = hidden.to(self.weight_t.dtype)
-        parts = [
-            self._group(hidden[i : i + HEAD_GROUP], stats)
-            for i in range(0, hidden.shape[0], HEAD_GROUP)
+        groups = [
+            self._group(hidden[i : i + HEAD_GROUP]) for i in range(0, hidden.shape[0], HEAD_GROUP)
         ]
-        ids = [t for p in parts for t in p.ids]
-        if not stats:
-            return HeadOutput(ids)
-        return HeadOutput(
-            ids, [x for p in parts for x in p.probs], [x for p in parts for x in p.entropies]
-        )
+        return HeadOutput([t for ids, _ in groups for t in ids], [blocks for _, blocks in groups])
 
-    def _group(self, x: torch.Tensor, stats: bool) -> HeadOutput:
+    def _group(self, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Argmax ids of up to ``HEAD_GROUP`` rows and their logits ``[g, V]``."""
         wt = self.weight_t
         assert wt is not None
         if x.shape[0] == 1:  # one position: a plain vector-matrix product is the fastest path
             logits = torch.mm(x, wt)
             if self.bias is not None:
                 logits += self.bias
-            return _full_output(logits, stats)
-        vals, idxs, lses, means = [], [], [], []
+            return logits.argmax(dim=-1).tolist(), logits
+        vals, idxs, blocks = [], [], []
         for start in range(0, wt.shape[1], HEAD_CHUNK):
             block = torch.mm(x, wt[:, start : start + HEAD_CHUNK])  # [g, C]
             if self.bias is not None:
@@ -148,39 +140,32 @@ class GreedyHead:
             v, i = block.max(dim=-1)  # first maximum within the chunk
             vals.append(v)
             idxs.append(i + start)
-            if stats:
-                lse = torch.logsumexp(block, dim=-1)  # [g]
-                lses.append(lse)
-                means.append((torch.exp(block - lse[:, None]) * block).sum(dim=-1))
+            blocks.append(block)
         vals_t, idxs_t = torch.stack(vals, dim=1), torch.stack(idxs, dim=1)  # [g, chunks]
         # argmax takes the first chunk holding the maximum: ties go to the lowest id, as a plain
         # argmax over the whole row does.
-        best = vals_t.argmax(dim=1, keepdim=True)
-        ids = idxs_t.gather(1, best)[:, 0].tolist()
-        if not stats:
-            return HeadOutput(ids)
-        lse_c, mean_c = torch.stack(lses, dim=1), torch.stack(means, dim=1)  # [g, chunks]
-        lse = torch.logsumexp(lse_c, dim=1)  # [g]
-        expected = (torch.exp(lse_c - lse[:, None]) * mean_c).sum(dim=1)  # E_p[logit]
-        probs = torch.exp(vals_t.gather(1, best)[:, 0] - lse)
-        return HeadOutput(ids, probs.tolist(), (lse - expected).tolist())
+        ids = idxs_t.gather(1, vals_t.argmax(dim=1, keepdim=True))[:, 0].tolist()
+        return ids, torch.cat(blocks, dim=1)
 
 
 @dataclass
 class HeadOutput:
-    """Greedy head result per position: argmax id, and optionally its probability and the entropy."""
+    """Greedy head result: argmax id per position, and the logits to derive statistics from."""
 
     ids: list[int]
-    probs: list[float] = field(default_factory=list)
-    entropies: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Logits in groups of rows (``[g, V]`` each), in position order."""
 
+    def stats(self, row: int) -> tuple[float, float]:
+        """Probability of the argmax token at ``row`` and the entropy (nats) of that distribution.
 
-def _full_output(logits: torch.Tensor, stats: bool) -> HeadOutput:
-    ids = logits.argmax(dim=-1)
-    if not stats:
-        return HeadOutput(ids.tolist())
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    return HeadOutput(
-        ids.tolist(), logp.gather(1, ids[:, None])[:, 0].exp().tolist(), entropy.tolist()
-    )
+        Computed for one row on demand (about a millisecond), since only the row of the last
+        emitted token is ever needed and which row that is depends on verification.
+        """
+        offset = 0
+        for group in self.logits:
+            if row < offset + group.shape[0]:
+                logp = torch.log_softmax(group[row - offset].float(), dim=-1)
+                return float(logp.max().exp()), float(-(logp.exp() * logp).sum())
+            offset += group.shape[0]
+        raise IndexError(row)

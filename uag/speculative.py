@@ -271,7 +271,7 @@ def speculative_generate(
         base = len(target.ids)
         target.ids.extend(candidates)
         hidden = target.forward()
-        head = target.greedy(hidden[-(len(candidates) + 1) :], stats=rich)
+        head = target.greedy(hidden[-(len(candidates) + 1) :])
         preds = head.ids  # [m + 1]: the target's choice after the pending token and each candidate
         accepted = 0
         while accepted < len(candidates) and candidates[accepted] == preds[accepted]:
@@ -282,12 +282,9 @@ def speculative_generate(
         in_cache = min(accepted, len(emitted))
         target.truncate(base + in_cache)
         target.ids.extend(emitted[in_cache:])
+        if rich:  # the target's view of the last token it emitted: a feature for the next round
+            target_prob, target_entropy = head.stats(len(emitted) - 1)
         verify_s = clock() - t0
-        if rich:
-            target_prob, target_entropy = (
-                head.probs[len(emitted) - 1],
-                head.entropies[len(emitted) - 1],
-            )
         text += bridge.target.bytes_of(emitted)
         if on_tokens:
             on_tokens(emitted)

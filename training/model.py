@@ -1,0 +1,44 @@
+"""The controller network: raw features in, P(accepted) out. Plain torch, no Lightning.
+
+Normalisation statistics from the training split are buffers of the network, so the exported
+ONNX graph takes raw feature rows exactly as ``uag.features.feature_row`` produces them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ControllerNet(nn.Module):
+    """Standardise → MLP (ReLU) → one logit. ``forward`` returns probabilities ``[N]``."""
+
+    def __init__(self, n_features: int, hidden: tuple[int, ...] = (32, 32)) -> None:
+        super().__init__()
+        self.mean: torch.Tensor
+        self.std: torch.Tensor
+        self.register_buffer("mean", torch.zeros(n_features))
+        self.register_buffer("std", torch.ones(n_features))
+        layers: list[nn.Module] = []
+        width = n_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+
+    def set_normalisation(self, features: np.ndarray) -> None:
+        """Bake the training split's mean/std into the network (constant columns get std 1)."""
+        mean = features.mean(axis=0)
+        std = features.std(axis=0)
+        std[std < 1e-6] = 1.0
+        self.mean.copy_(torch.from_numpy(mean.astype(np.float32)))
+        self.std.copy_(torch.from_numpy(std.astype(np.float32)))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        # features: [N, F] → [N]
+        return self.mlp((features - self.mean) / self.std).squeeze(-1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logits(features))

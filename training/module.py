@@ -1,0 +1,87 @@
+"""The LightningModule: class-weighted BCE, ROC-AUC / PR-AUC / calibration per split, and the
+simulated speed-up of the current network each validation epoch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, BinaryCalibrationError
+
+from training import replay
+from training.data import Collected
+from training.model import ControllerNet
+
+
+class ControllerModule(L.LightningModule):
+    def __init__(
+        self,
+        net: ControllerNet,
+        *,
+        pos_weight: float,
+        lr: float = 3e-3,
+        val_data: Collected | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net", "val_data"])
+        self.lr = lr
+        self.net = net
+        self.val_data = val_data
+        self.loss = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(pos_weight))
+        self.metrics: torch.nn.ModuleDict = torch.nn.ModuleDict(
+            {
+                f"{split}_metrics": torch.nn.ModuleDict(
+                    {
+                        "auroc": BinaryAUROC(),
+                        "pr_auc": BinaryAveragePrecision(),
+                        "ece": BinaryCalibrationError(),
+                    }
+                )
+                for split in ("train", "val")
+            }
+        )
+
+    def _step(self, batch: Any, split: str) -> torch.Tensor:
+        x, y = batch
+        logits = self.net.logits(x)
+        loss = self.loss(logits, y)
+        probs = torch.sigmoid(logits)
+        metrics: Any = self.metrics[f"{split}_metrics"]  # "train" alone would shadow Module.train
+        for name, metric in metrics.items():
+            metric.update(probs, y.int())
+            self.log(f"{split}/{name}", metric, on_step=False, on_epoch=True)
+        self.log(f"{split}/loss", loss, on_step=False, on_epoch=True, prog_bar=split == "val")
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_data is None or self.trainer.sanity_checking:
+            return
+        with torch.no_grad():
+            scores = (
+                self.net(torch.from_numpy(self.val_data.features).to(self.device)).cpu().numpy()
+            )
+        its = replay.build_iterations(self.val_data, scores)
+        profile = self.val_data.profile
+        _, learned = replay.best_threshold(
+            its, profile, column="score", below=True, grid=replay.PROB_GRID, name=str
+        )
+        best_static = replay.best_static(its, profile)
+        self.log("val/sim_speedup_vs_target", learned.speedup)
+        self.log("val/sim_speedup_vs_best_static", learned.tokens_per_s / best_static.tokens_per_s)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
+
+
+def predict(net: ControllerNet, features: np.ndarray) -> np.ndarray:
+    net.eval()
+    with torch.no_grad():
+        return net(torch.from_numpy(features)).numpy()

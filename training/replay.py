@@ -1,0 +1,166 @@
+"""Replay: estimate any stop policy's speed from collected iterations and a latency profile.
+
+``uag collect`` drafts ``L`` tokens every iteration and records, per drafted token, its features,
+whether it was accepted, and how many target candidates the draft had become. Because acceptance
+is monotone within an iteration, what *any* policy would have got there follows from where it
+stops, ``j`` (0 ≤ j ≤ L):
+
+* accepted drafts: ``min(j, a)`` where ``a`` is the iteration's accepted count;
+* target tokens emitted: the candidates of the accepted prefix plus the one token the target
+  always adds, ``tt(min(j, a)) + 1`` (``tt(k)``: target candidates of the first k drafts);
+* cost: ``j`` draft steps plus one verification of ``tt(j)`` candidates.
+
+Throughput is Σ emitted / Σ cost over all iterations (the usual assumption that iterations are
+exchangeable: a policy's choices do not change which text comes next, only how it is cut).
+Target-alone decoding pays one plain target step per token, so speed-up = throughput × step cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from training.data import Collected
+from uag.latency import LatencyProfile
+
+
+@dataclass(frozen=True)
+class Iterations:
+    """Collected iterations as padded [I, L] matrices (rows past an iteration's draft: NaN)."""
+
+    accepted: np.ndarray
+    """[I] accepted drafts per iteration (the oracle stop point)."""
+    drafted: np.ndarray
+    """[I] tokens drafted per iteration."""
+    target_tokens: np.ndarray
+    """[I, L + 1] target candidates of the first k drafts (column 0 is 0)."""
+    values: dict[str, np.ndarray]
+    """[I, L] per-position values (feature columns, scores)."""
+
+    @property
+    def max_len(self) -> int:
+        return int(self.target_tokens.shape[1] - 1)
+
+
+def build_iterations(data: Collected, scores: np.ndarray | None = None) -> Iterations:
+    """Group rows by (prompt, iteration); ``scores`` (e.g. P(accept)) ride along as ``score``."""
+    keys = np.char.add(
+        np.char.add(data.prompt_ids.astype(str), "\x00"), data.columns["iteration"].astype(str)
+    )
+    uniq, inv = np.unique(keys, return_inverse=True)
+    pos = data.columns["position"].astype(int)
+    n_iter, max_len = len(uniq), int(pos.max())
+    names = list(data.feature_names)
+    values = {n: np.full((n_iter, max_len), np.nan) for n in names}
+    for j, n in enumerate(names):
+        values[n][inv, pos - 1] = data.features[:, j]
+    if scores is not None:
+        values["score"] = np.full((n_iter, max_len), np.nan)
+        values["score"][inv, pos - 1] = scores
+    target_tokens = np.zeros((n_iter, max_len + 1))
+    target_tokens[:, 1:] = np.nan
+    target_tokens[inv, pos] = data.features[:, names.index("target_tokens")]
+    accepted = np.zeros(n_iter, dtype=int)
+    accepted[inv] = data.columns["iter_accepted_drafts"].astype(int)
+    drafted = np.zeros(n_iter, dtype=int)
+    np.maximum.at(drafted, inv, pos)
+    # A drafted count shorter than L (assistant EOS) leaves NaN: carry the last count forward.
+    for k in range(1, max_len + 1):
+        gap = np.isnan(target_tokens[:, k])
+        target_tokens[gap, k] = target_tokens[gap, k - 1]
+    return Iterations(
+        accepted=accepted, drafted=drafted, target_tokens=target_tokens, values=values
+    )
+
+
+@dataclass(frozen=True)
+class SimResult:
+    name: str
+    tokens_per_s: float
+    speedup: float
+    """Versus target-alone decoding on the same hardware profile."""
+    mean_drafted: float
+    acceptance: float
+
+
+def simulate(its: Iterations, stop_at: np.ndarray, profile: LatencyProfile, name: str) -> SimResult:
+    """Throughput if each iteration had drafted ``stop_at[i]`` tokens (clipped to what was drafted)."""
+    j = np.minimum(stop_at.astype(int), its.drafted)
+    rows = np.arange(len(j))
+    emitted = its.target_tokens[rows, np.minimum(j, its.accepted)] + 1
+    verify_table = np.array(
+        [profile.verify(m) for m in range(int(np.nanmax(its.target_tokens)) + 1)]
+    )
+    cost = j * profile.draft_s + verify_table[its.target_tokens[rows, j].astype(int)]
+    tps = float(emitted.sum() / cost.sum())
+    drafted = float(j.sum())
+    return SimResult(
+        name=name,
+        tokens_per_s=tps,
+        speedup=tps * profile.target_step_s,
+        mean_drafted=drafted / len(j),
+        acceptance=float(np.minimum(j, its.accepted).sum() / drafted) if drafted else 0.0,
+    )
+
+
+def first_stop(its: Iterations, stop: np.ndarray) -> np.ndarray:
+    """Position after which a rule stops (the stopping token is still verified); L if never."""
+    hit = np.nan_to_num(stop.astype(float), nan=0.0) > 0
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, its.max_len)
+
+
+def static(its: Iterations, profile: LatencyProfile, k: int) -> SimResult:
+    return simulate(its, np.full(len(its.accepted), k), profile, f"static-{k}")
+
+
+def oracle(its: Iterations, profile: LatencyProfile) -> SimResult:
+    """Drafts exactly the tokens that will be accepted (none when none will): the ceiling."""
+    return simulate(its, its.accepted, profile, "oracle")
+
+
+def threshold_rule(
+    its: Iterations,
+    profile: LatencyProfile,
+    *,
+    column: str,
+    threshold: float,
+    below: bool,
+    name: str,
+) -> SimResult:
+    vals = its.values[column]
+    stop = vals < threshold if below else vals > threshold
+    return simulate(its, first_stop(its, stop), profile, name)
+
+
+def best_threshold(
+    its: Iterations,
+    profile: LatencyProfile,
+    *,
+    column: str,
+    below: bool,
+    grid: np.ndarray,
+    name: Callable[[float], str],
+) -> tuple[float, SimResult]:
+    """The threshold on ``column`` that maximises simulated throughput."""
+    results = [
+        (
+            float(t),
+            threshold_rule(
+                its, profile, column=column, threshold=float(t), below=below, name=name(float(t))
+            ),
+        )
+        for t in grid
+    ]
+    return max(results, key=lambda r: r[1].tokens_per_s)
+
+
+def best_static(its: Iterations, profile: LatencyProfile) -> SimResult:
+    return max(
+        (static(its, profile, k) for k in range(1, its.max_len + 1)), key=lambda r: r.tokens_per_s
+    )
+
+
+PROB_GRID = np.round(np.linspace(0.02, 0.98, 49), 4)
+ENTROPY_GRID = np.round(np.linspace(0.1, 6.0, 60), 4)

@@ -1,0 +1,201 @@
+"""``train(cfg)``: collected runs → a trained, replay-tuned, exported ONNX controller.
+
+A plain function the CLI wraps (tests call it directly with tiny data).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from training import replay
+from training.data import Collected, ControllerDataModule
+from training.export import export_onnx
+from training.model import ControllerNet
+from training.module import ControllerModule, predict
+from uag.errors import UagError
+
+
+@dataclass
+class TrainConfig:
+    """How to train a controller (each field is a ``uag train-controller`` flag)."""
+
+    data: list[Path]
+    """One or more ``uag collect`` output directories with the same schema."""
+    out: Path = Path("exports/ctrl.onnx")
+    logdir: Path = Path("runs")
+    max_epochs: int = 30
+    hidden: tuple[int, ...] = (32, 32)
+    seed: int = 0
+    batch_size: int = 512
+    lr: float = 3e-3
+    val_fraction: float = 0.25
+    """Share of prompts (not rows) held out for validation and threshold choice."""
+    accelerator: str = "auto"
+    devices: str = "auto"
+    strategy: str = "auto"
+    num_nodes: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_epochs < 1:
+            raise UagError(f"--max-epochs must be at least 1, got {self.max_epochs}")
+        if not self.hidden or min(self.hidden) < 1:
+            raise UagError(f"--hidden must be positive widths like 32,32, got {self.hidden}")
+        if not 0 < self.val_fraction < 1:
+            raise UagError(f"validation fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dataclass
+class TrainSummary:
+    out: Path
+    threshold: float
+    auc: dict[str, float]
+    """Validation ROC-AUC: mlp, logistic_regression, confidence (the drafted token's probability)."""
+    sims: dict[str, replay.SimResult]
+    """Validation replay: learned, best static, confidence 0.4, tuned confidence, entropy, oracle."""
+    onnx_max_abs_diff: float
+    log_dir: str
+    rows: dict[str, int] = field(default_factory=dict)
+
+    def table(self) -> str:
+        lines = [
+            f"rows: train {self.rows.get('train', 0)}, validation {self.rows.get('val', 0)}",
+            "validation ROC-AUC: " + ", ".join(f"{k} {v:.3f}" for k, v in self.auc.items()),
+            f"chosen threshold (max simulated tokens/s on validation): {self.threshold:.2f}",
+            "simulated speed-up vs target alone (validation replay):",
+        ]
+        lines += [
+            f"  {s.name:24s} {s.speedup:5.2f}x   drafts/iter {s.mean_drafted:4.2f}   acceptance {s.acceptance:5.1%}"
+            for s in self.sims.values()
+        ]
+        return "\n".join(lines)
+
+
+def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    if len(np.unique(labels)) < 2:
+        return float("nan")
+    return float(roc_auc_score(labels, scores))
+
+
+def _baselines(train: Collected, val: Collected) -> dict[str, float]:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    logreg = make_pipeline(
+        StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=2000)
+    )
+    logreg.fit(train.features, train.labels)
+    prob_col = train.feature_names.index("prob")
+    return {
+        "logistic_regression": _auc(val.labels, logreg.predict_proba(val.features)[:, 1]),
+        "confidence": _auc(val.labels, val.features[:, prob_col]),
+    }
+
+
+def train(cfg: TrainConfig) -> TrainSummary:
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    L.seed_everything(cfg.seed, verbose=False)
+    dm = ControllerDataModule(
+        cfg.data, val_fraction=cfg.val_fraction, seed=cfg.seed, batch_size=cfg.batch_size
+    )
+    dm.setup()
+    assert dm.train_set is not None and dm.val_set is not None
+    train_set, val_set = dm.train_set, dm.val_set
+    if len(np.unique(train_set.labels)) < 2:
+        raise UagError("the training split holds a single label class; collect more prompts")
+    net = ControllerNet(len(train_set.feature_names), cfg.hidden)
+    net.set_normalisation(train_set.features)
+    positives = float(train_set.labels.sum())
+    module = ControllerModule(
+        net, pos_weight=(len(train_set.labels) - positives) / positives, lr=cfg.lr, val_data=val_set
+    )
+    logger = TensorBoardLogger(save_dir=str(cfg.logdir), name="controller", default_hp_metric=False)
+    trainer = L.Trainer(
+        max_epochs=cfg.max_epochs,
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        strategy=cfg.strategy,
+        num_nodes=cfg.num_nodes,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=cfg.progress,
+        enable_model_summary=False,
+        deterministic=True,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module, datamodule=dm)
+
+    scores = predict(net.cpu(), val_set.features)
+    auc = {"mlp": _auc(val_set.labels, scores), **_baselines(train_set, val_set)}
+    its = replay.build_iterations(val_set, scores)
+    profile = val_set.profile
+    threshold, learned = replay.best_threshold(
+        its,
+        profile,
+        column="score",
+        below=True,
+        grid=replay.PROB_GRID,
+        name=lambda t: f"learned@{t:.2f}",
+    )
+    _, conf_best = replay.best_threshold(
+        its,
+        profile,
+        column="prob",
+        below=True,
+        grid=replay.PROB_GRID,
+        name=lambda t: f"confidence-{t:.2f} (tuned)",
+    )
+    _, ent_best = replay.best_threshold(
+        its,
+        profile,
+        column="entropy",
+        below=False,
+        grid=replay.ENTROPY_GRID,
+        name=lambda t: f"entropy-{t:.1f} (tuned)",
+    )
+    sims = {
+        "learned": learned,
+        "best_static": replay.best_static(its, profile),
+        "confidence_0.4": replay.threshold_rule(
+            its, profile, column="prob", threshold=0.4, below=True, name="confidence-0.4"
+        ),
+        "confidence_tuned": conf_best,
+        "entropy_tuned": ent_best,
+        "oracle": replay.oracle(its, profile),
+    }
+    meta = val_set.meta
+    metadata = {
+        "feature_names": list(val_set.feature_names),
+        "schema_version": str(val_set.schema_version),
+        "threshold": f"{threshold:.6f}",
+        "target": meta["target"],
+        "assistant": meta["assistant"],
+        "assistant_int8": json.dumps(bool(meta.get("assistant_int8", False))),
+        "latency_profile": meta["latency_profile"],
+        "data_hash": train_set.data_hash,
+        "val_auc": auc,
+        "sim_speedup": {k: round(v.speedup, 4) for k, v in sims.items()},
+    }
+    diff = export_onnx(net, cfg.out, metadata=metadata, check_rows=val_set.features)
+    logger.experiment.add_text(
+        "summary", "```\n" + "\n".join(f"{k}: {v}" for k, v in metadata.items()) + "\n```"
+    )
+    logger.experiment.flush()
+    return TrainSummary(
+        out=cfg.out,
+        threshold=threshold,
+        auc=auc,
+        sims=sims,
+        onnx_max_abs_diff=diff,
+        log_dir=logger.log_dir,
+        rows={"train": len(train_set.labels), "val": len(val_set.labels)},
+    )
