@@ -163,7 +163,9 @@ class ControllerDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        return self._loader(self.train_set, shuffle=True, batch_size=self.batch_size, seed=self.seed)
+        return self._loader(
+            self.train_set, shuffle=True, batch_size=self.batch_size, seed=self.seed
+        )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None

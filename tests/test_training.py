@@ -1,0 +1,134 @@
+"""train-controller: replay arithmetic, a tiny end-to-end run, ONNX parity and metadata, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from tests.synthetic import PROFILE, write_run
+from training import replay
+from training.data import load_runs
+from training.train import TrainConfig, train
+from uag.cli import main
+from uag.errors import UagError
+from uag.features import FEATURE_NAMES, SCHEMA_VERSION
+from uag.latency import LatencyProfile
+
+
+def _iterations(accepted, drafted, target_tokens) -> replay.Iterations:
+    tt = np.asarray(target_tokens, dtype=float)
+    return replay.Iterations(
+        accepted=np.asarray(accepted), drafted=np.asarray(drafted), target_tokens=tt, values={}
+    )
+
+
+def test_replay_arithmetic_static_two_wins():
+    profile = LatencyProfile(device="x", draft_s=1.0, verify_s=[10.0, 10.0, 10.0, 13.0, 16.0])
+    # Every iteration: the first two drafts are accepted, the rest rejected; one target token each.
+    its = _iterations([2, 2], [4, 4], [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    # static-1: (1+1) tokens / (1 + 10) s; static-2: 3 / 12; static-3: 3 / (3 + 13); static-4: 3 / 20
+    got = {k: replay.static(its, profile, k).tokens_per_s for k in (1, 2, 3, 4)}
+    assert got[1] == pytest.approx(2 / 11) and got[2] == pytest.approx(3 / 12)
+    assert got[3] == pytest.approx(3 / 16) and got[4] == pytest.approx(3 / 20)
+    assert replay.best_static(its, profile).name == "static-2"
+    assert replay.oracle(its, profile).tokens_per_s == pytest.approx(3 / 12)
+    # speed-up is throughput times the target-alone step cost
+    assert replay.static(its, profile, 2).speedup == pytest.approx(3 / 12 * 10.0)
+
+
+def test_replay_threshold_rule_stops_after_low_token():
+    profile = LatencyProfile(device="x", draft_s=1.0, verify_s=[10.0, 10.0, 10.0, 10.0])
+    its = replay.Iterations(
+        accepted=np.array([1]),
+        drafted=np.array([3]),
+        target_tokens=np.array([[0.0, 1, 2, 3]]),
+        values={"prob": np.array([[0.9, 0.2, 0.9]])},
+    )
+    res = replay.threshold_rule(its, profile, column="prob", threshold=0.4, below=True, name="c")
+    assert res.mean_drafted == 2  # the 0.2 token is drafted (and verified), the third is not
+    assert res.tokens_per_s == pytest.approx(2 / 12)
+
+
+def test_train_end_to_end_onnx_parity_and_metadata(tmp_path):
+    run = write_run(tmp_path / "run")
+    out = tmp_path / "ctrl.onnx"
+    summary = train(
+        TrainConfig(
+            data=[run],
+            out=out,
+            logdir=tmp_path / "tb",
+            max_epochs=8,
+            hidden=(16,),
+            batch_size=64,
+            accelerator="cpu",
+            devices="1",
+            progress=False,
+        )
+    )
+    assert out.exists() and out.stat().st_size < 200_000
+    model = onnx.load(str(out))
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(meta["feature_names"]) == list(FEATURE_NAMES)
+    assert int(meta["schema_version"]) == SCHEMA_VERSION
+    assert 0 < float(meta["threshold"]) < 1
+    assert json.loads(meta["latency_profile"]) == PROFILE
+    assert meta["target"] == "t" and meta["assistant"] == "a" and len(meta["data_hash"]) == 64
+    data = load_runs([run])
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    onnx_p = sess.run(["p_accept"], {"features": data.features[:50]})[0]
+    assert onnx_p.shape[0] == 50 and np.all((onnx_p >= 0) & (onnx_p <= 1))
+    # The synthetic label depends on 'prob' alone: the MLP must find it.
+    assert summary.auc["mlp"] > 0.8
+    assert set(summary.sims) >= {"learned", "best_static", "confidence_0.4", "oracle"}
+    assert summary.sims["oracle"].tokens_per_s >= summary.sims["learned"].tokens_per_s
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_onnx_parity_failure_is_loud(tmp_path, monkeypatch):
+    from training import export as export_mod
+    from training.model import ControllerNet
+
+    net = ControllerNet(3, (4,))
+    rows = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    real_forward = ControllerNet.forward
+    monkeypatch.setattr(ControllerNet, "forward", lambda self, x: real_forward(self, x) + 0.0)
+    export_mod.export_onnx(net, tmp_path / "ok.onnx", metadata={}, check_rows=rows)
+    # Torch now disagrees with what was exported: the check must refuse to write the file.
+    original = export_mod.torch.onnx.export
+
+    def export_then_perturb(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        with torch.no_grad():
+            model.mlp[-1].bias += 1.0
+
+    monkeypatch.setattr(export_mod.torch.onnx, "export", export_then_perturb)
+    with pytest.raises(UagError, match="ONNX export disagrees"):
+        export_mod.export_onnx(net, tmp_path / "bad.onnx", metadata={}, check_rows=rows)
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_training_input(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train-controller", "--data", str(empty), "--out", str(tmp_path / "c.onnx")]) == 2
+    assert "meta.json" in _one_line(capsys)
+    single = write_run(tmp_path / "single", single_class=True, prompts=3)
+    assert main(["train-controller", "--data", str(single), "--out", str(tmp_path / "c.onnx")]) == 2
+    assert "single label class" in _one_line(capsys)
+    a = write_run(tmp_path / "a", prompts=3)
+    b = write_run(tmp_path / "b", prompts=3, feature_names=tuple(reversed(FEATURE_NAMES)))
+    assert (
+        main(["train-controller", "--data", str(a), str(b), "--out", str(tmp_path / "c.onnx")]) == 2
+    )
+    assert "disagree on feature_names" in _one_line(capsys)
