@@ -27,7 +27,7 @@ class DraftContext:
     remaining: int
     """Target tokens still allowed before max_new_tokens."""
     prev_drafted: int
-    """Assistant tokens drafted in the previous iteration (0 at the start)."""
+    """Assistant tokens drafted in the most recent iteration that drafted (0 at the start)."""
     prev_accepted: int
     """Of those, how many the target accepted."""
     drafted_total: int

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from uag.errors import UagError
+from uag.features import to_gate_rows
 from uag.latency import LatencyProfile
 
 ITERATION_KEYS = ("prompt_id", "iteration")
@@ -53,6 +54,22 @@ class Collected:
             meta=self.meta,
             data_hash=self.data_hash,
         )
+
+
+def from_columns(parts: list[dict[str, np.ndarray]], meta: dict[str, Any]) -> Collected:
+    """In-memory rows (as ``uag.collect.rows_for_prompt`` makes them) → ``Collected``, for replay."""
+    names = list(meta["feature_names"])
+    data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return Collected(
+        features=np.stack([data[n].astype(np.float32) for n in names], axis=1),
+        labels=data["accepted"].astype(np.float32),
+        prompt_ids=data["prompt_id"].astype(str),
+        columns={k: v for k, v in data.items() if k != "accepted"},
+        feature_names=names,
+        schema_version=int(meta["schema_version"]),
+        meta=meta,
+        data_hash="",
+    )
 
 
 def _metas(run: Path) -> list[dict[str, Any]]:
@@ -135,6 +152,18 @@ def split_by_prompt(
     return data.subset(~is_val), data.subset(is_val)
 
 
+def with_gate_rows(data: Collected) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows plus one gate row per iteration (from its first drafted token, same label).
+
+    The same network then answers both questions: "keep drafting?" after a token, and "draft at
+    all?" before an iteration (see ``uag.features.gate_row``).
+    """
+    first = data.columns["position"] == 1
+    features = np.concatenate([data.features, to_gate_rows(data.features[first])])
+    labels = np.concatenate([data.labels, data.labels[first]])
+    return features, labels
+
+
 class ControllerDataModule(L.LightningDataModule):
     """Train/validation loaders over collected runs (I/O in ``setup``, split seeded)."""
 
@@ -157,7 +186,8 @@ class ControllerDataModule(L.LightningDataModule):
 
     @staticmethod
     def _loader(data: Collected, *, shuffle: bool, batch_size: int, seed: int) -> DataLoader:
-        ds = TensorDataset(torch.from_numpy(data.features), torch.from_numpy(data.labels))
+        features, labels = with_gate_rows(data)
+        ds = TensorDataset(torch.from_numpy(features), torch.from_numpy(labels))
         gen = torch.Generator().manual_seed(seed)
         return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen)
 

@@ -13,6 +13,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, Bin
 from training import replay
 from training.data import Collected
 from training.model import ControllerNet
+from uag.features import to_gate_rows
 
 
 class ControllerModule(L.LightningModule):
@@ -82,6 +83,17 @@ class ControllerModule(L.LightningModule):
 
 
 def predict(net: ControllerNet, features: np.ndarray) -> np.ndarray:
+    was_training = net.training
     net.eval()
+    device = next(net.parameters()).device
     with torch.no_grad():
-        return net(torch.from_numpy(features)).numpy()
+        out = net(torch.from_numpy(features).to(device)).cpu().numpy()
+    net.train(was_training)
+    return out
+
+
+def iterations_with_scores(net: ControllerNet, data: Collected) -> replay.Iterations:
+    """Replay iterations carrying the network's per-token scores and per-iteration gate scores."""
+    return replay.build_iterations(
+        data, predict(net, data.features), predict(net, to_gate_rows(data.features))
+    )

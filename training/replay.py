@@ -38,14 +38,19 @@ class Iterations:
     """[I, L + 1] target candidates of the first k drafts (column 0 is 0)."""
     values: dict[str, np.ndarray]
     """[I, L] per-position values (feature columns, scores)."""
+    gate: np.ndarray | None = None
+    """[I] pre-draft score per iteration (P(first drafted token accepted) from its gate row)."""
 
     @property
     def max_len(self) -> int:
         return int(self.target_tokens.shape[1] - 1)
 
 
-def build_iterations(data: Collected, scores: np.ndarray | None = None) -> Iterations:
-    """Group rows by (prompt, iteration); ``scores`` (e.g. P(accept)) ride along as ``score``."""
+def build_iterations(
+    data: Collected, scores: np.ndarray | None = None, gate_scores: np.ndarray | None = None
+) -> Iterations:
+    """Group rows by (prompt, iteration); ``scores`` (e.g. P(accept)) ride along as ``score``,
+    and ``gate_scores`` (per row; read on each iteration's first row) as the iteration's gate."""
     keys = np.char.add(
         np.char.add(data.prompt_ids.astype(str), "\x00"), data.columns["iteration"].astype(str)
     )
@@ -160,6 +165,33 @@ def best_static(its: Iterations, profile: LatencyProfile) -> SimResult:
     return max(
         (static(its, profile, k) for k in range(1, its.max_len + 1)), key=lambda r: r.tokens_per_s
     )
+
+
+def learned(
+    its: Iterations, profile: LatencyProfile, *, stop_below: float, gate_below: float
+) -> SimResult:
+    """The learned controller: skip drafting when the gate score is below ``gate_below``, else
+    draft until a token scores below ``stop_below`` (that token is still verified)."""
+    j = first_stop(its, its.values["score"] < stop_below)
+    if its.gate is not None:
+        j = np.where(np.nan_to_num(its.gate, nan=1.0) < gate_below, 0, j)
+    return simulate(its, j, profile, f"learned (stop<{stop_below:.2f}, skip<{gate_below:.2f})")
+
+
+def best_learned(
+    its: Iterations, profile: LatencyProfile, grid: np.ndarray | None = None
+) -> tuple[float, float, SimResult]:
+    """(stop threshold, gate threshold, result) maximising simulated throughput."""
+    grid = PROB_GRID if grid is None else grid
+    gates = np.concatenate([[0.0], grid]) if its.gate is not None else np.array([0.0])
+    best: tuple[float, float, SimResult] | None = None
+    for g in gates:
+        for t in grid:
+            res = learned(its, profile, stop_below=float(t), gate_below=float(g))
+            if best is None or res.tokens_per_s > best[2].tokens_per_s:
+                best = (float(t), float(g), res)
+    assert best is not None
+    return best
 
 
 PROB_GRID = np.round(np.linspace(0.02, 0.98, 49), 4)

@@ -15,7 +15,7 @@ from training import replay
 from training.data import Collected, ControllerDataModule
 from training.export import export_onnx
 from training.model import ControllerNet
-from training.module import ControllerModule, predict
+from training.module import ControllerModule, iterations_with_scores, predict
 from uag.errors import UagError
 
 
@@ -53,6 +53,9 @@ class TrainConfig:
 class TrainSummary:
     out: Path
     threshold: float
+    """Stop drafting after a token whose P(accept) is below this."""
+    gate_threshold: float
+    """Skip drafting an iteration when its gate row's P(accept) is below this (0: never skip)."""
     auc: dict[str, float]
     """Validation ROC-AUC: mlp, logistic_regression, confidence (the drafted token's probability)."""
     sims: dict[str, replay.SimResult]
@@ -65,7 +68,8 @@ class TrainSummary:
         lines = [
             f"rows: train {self.rows.get('train', 0)}, validation {self.rows.get('val', 0)}",
             "validation ROC-AUC: " + ", ".join(f"{k} {v:.3f}" for k, v in self.auc.items()),
-            f"chosen threshold (max simulated tokens/s on validation): {self.threshold:.2f}",
+            f"chosen thresholds (max simulated tokens/s on validation): stop below {self.threshold:.2f}, "
+            f"skip drafting below {self.gate_threshold:.2f}",
             "simulated speed-up vs target alone (validation replay):",
         ]
         lines += [
@@ -134,18 +138,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
     )
     trainer.fit(module, datamodule=dm)
 
-    scores = predict(net.cpu(), val_set.features)
+    net = net.cpu()
+    scores = predict(net, val_set.features)
     auc = {"mlp": _auc(val_set.labels, scores), **_baselines(train_set, val_set)}
-    its = replay.build_iterations(val_set, scores)
+    its = iterations_with_scores(net, val_set)
     profile = val_set.profile
-    threshold, learned = replay.best_threshold(
-        its,
-        profile,
-        column="score",
-        below=True,
-        grid=replay.PROB_GRID,
-        name=lambda t: f"learned@{t:.2f}",
-    )
+    threshold, gate_threshold, learned = replay.best_learned(its, profile)
     _, conf_best = replay.best_threshold(
         its,
         profile,
@@ -177,6 +175,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
         "feature_names": list(val_set.feature_names),
         "schema_version": str(val_set.schema_version),
         "threshold": f"{threshold:.6f}",
+        "gate_threshold": f"{gate_threshold:.6f}",
+        "max_lookahead": str(int(meta.get("max_lookahead", its.max_len))),
         "target": meta["target"],
         "assistant": meta["assistant"],
         "assistant_int8": json.dumps(bool(meta.get("assistant_int8", False))),
@@ -193,6 +193,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     return TrainSummary(
         out=cfg.out,
         threshold=threshold,
+        gate_threshold=gate_threshold,
         auc=auc,
         sims=sims,
         onnx_max_abs_diff=diff,

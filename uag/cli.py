@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from uag.errors import UagError
 
-POLICIES = ("static", "heuristic", "confidence", "entropy")
+POLICIES = ("static", "heuristic", "confidence", "entropy", "learned")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,8 +95,14 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         choices=POLICIES,
-        default="static",
-        help="how far to draft each round (default: %(default)s)",
+        default=None,
+        help="how far to draft each round (default: learned with --controller, else static)",
+    )
+    p.add_argument(
+        "--controller",
+        type=Path,
+        default=None,
+        help="ONNX controller from uag train-controller (e.g. exports/ctrl.onnx): the learned policy",
     )
     p.add_argument(
         "--lookahead",
@@ -134,6 +140,8 @@ def make_policy(name: str, *, lookahead: int | None, threshold: float | None) ->
         return ConfidencePolicy(
             threshold=0.4 if threshold is None else threshold, max_lookahead=lookahead or 20
         )
+    if name == "learned":
+        raise UagError("--policy learned needs --controller PATH.onnx")
     if name == "entropy":
         return EntropyPolicy(
             threshold=1.5 if threshold is None else threshold, max_lookahead=lookahead or 20
@@ -171,7 +179,19 @@ def run_generate(args: argparse.Namespace) -> int:
     import uag
 
     prompt = _read_prompt(args)
-    policy = make_policy(args.policy, lookahead=args.lookahead, threshold=args.threshold)
+    name = args.policy or ("learned" if args.controller else "static")
+    if args.controller is not None and name != "learned":
+        raise UagError(f"--controller goes with the learned policy, not --policy {name}")
+    learned = None
+    if name == "learned" and args.controller is not None:
+        from controllers.learned import LearnedPolicy
+        from uag.models import resolve_device
+
+        # Checked before the models load: a bad controller file fails in a second, not after.
+        learned = LearnedPolicy(
+            args.controller, use_cuda=resolve_device(args.device).type == "cuda"
+        )
+    policy = learned or make_policy(name, lookahead=args.lookahead, threshold=args.threshold)
     pair = uag.load_pair(
         args.target,
         args.assistant,
@@ -179,6 +199,13 @@ def run_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
     )
+    if learned is not None:
+        learned.warn_if_foreign(
+            target=args.target,
+            assistant=args.assistant,
+            assistant_int8=args.assistant_int8,
+            device=pair.target.device.type,
+        )
     common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat}
     reference = None
     if args.compare_target_only:
@@ -445,6 +472,91 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    from uag.bench import DEFAULT_POLICIES
+
+    _add_model_args(p)
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="humaneval[:train|:test], a set in data/prompts, or a local file",
+    )
+    p.add_argument(
+        "--text-column", default="text", help="column holding the prompt text in local files"
+    )
+    p.add_argument(
+        "--limit", type=_positive_int, default=None, help="use at most this many prompts"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=128,
+        help="target tokens per prompt (default: %(default)s)",
+    )
+    p.add_argument(
+        "--controller", type=Path, default=None, help="ONNX controller for the 'learned' policy"
+    )
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help="comma-separated: target-only, static-K, heuristic, confidence-T, entropy[-T], transformers, learned, oracle (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=1,
+        help="runs per prompt and policy (default: %(default)s)",
+    )
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/bench"),
+        help="where results.json, results.md, speedup.png and TensorBoard events go (default: %(default)s)",
+    )
+
+
+def run_bench_cmd(args: argparse.Namespace) -> int:
+    from uag.bench import BenchConfig, run_bench, write_report
+
+    if (
+        "learned" in args.policies
+        and args.controller is None
+        and Path("exports/ctrl.onnx").is_file()
+    ):
+        args.controller = Path("exports/ctrl.onnx")
+    cfg = BenchConfig(
+        prompts=args.prompts,
+        out=args.out,
+        target=args.target,
+        assistant=args.assistant,
+        text_column=args.text_column,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        controller=args.controller,
+        policies=args.policies,
+        repeats=args.repeats,
+        chat=args.chat,
+        device=args.device,
+        dtype=args.dtype,
+        assistant_int8=args.assistant_int8,
+    )
+    report = run_bench(cfg)
+    write_report(report, args.out)
+    print(report.markdown())
+    print(f"{report.prompts} prompts, machine: {report.machine}")
+    print(
+        f"wrote {args.out}/results.json, results.md, speedup.png; TensorBoard: tensorboard --logdir {args.out}/tensorboard"
+    )
+    broken = [p.name for p in report.policies if not p.simulated and not p.identical]
+    if broken:
+        print(
+            f"uag: error: outputs differ from target-only for: {', '.join(broken)}", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(
         help="generate text with cross-tokenizer speculative decoding",
@@ -460,6 +572,11 @@ COMMANDS: dict[str, Command] = {
         help="train the stop controller on collected data and export it to ONNX",
         add_args=_add_train_args,
         run=run_train,
+    ),
+    "bench": Command(
+        help="compare policies side by side on the same prompts (speed-ups, equality checked)",
+        add_args=_add_bench_args,
+        run=run_bench_cmd,
     ),
     "models": Command(
         help="list embedded models or convert them ahead of time",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controllers.base import DraftStep
+from controllers.base import DraftContext, DraftStep
 
 SCHEMA_VERSION = 1
 
@@ -123,10 +123,56 @@ FEATURES: tuple[Feature, ...] = (
 
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 
+GATE_BLANK: tuple[str, ...] = (
+    "position",
+    "target_tokens",
+    "prob",
+    "entropy",
+    "margin",
+    "cum_logprob",
+    "min_prob",
+    "is_space",
+    "has_newline",
+    "is_punct",
+    "has_digit",
+    "token_chars",
+)
+"""Columns unknown before drafting: zero in a *gate row*, the pre-draft question "will the first
+drafted token be accepted?" that lets a controller skip drafting without an assistant forward."""
+_GATE_COLS = np.array([FEATURE_NAMES.index(n) for n in GATE_BLANK])
+
 
 def feature_row(step: DraftStep) -> np.ndarray:
     """The feature vector ``[F]`` (float32) of one drafted token."""
     return np.fromiter((f.fn(step) for f in FEATURES), dtype=np.float32, count=len(FEATURES))
+
+
+def to_gate_rows(rows: np.ndarray) -> np.ndarray:
+    """Feature rows ``[N, F]`` → gate rows: only what was known before drafting is kept.
+
+    Training makes gate rows from the first drafted token of each iteration (its context columns
+    are the iteration's), so they equal what ``gate_row`` builds at run time.
+    """
+    gate = rows.copy()
+    gate[:, _GATE_COLS] = 0.0
+    return gate
+
+
+def gate_row(ctx: DraftContext) -> np.ndarray:
+    """The pre-draft feature row ``[F]`` for an iteration about to start."""
+    blank = DraftStep(
+        position=0,
+        token_id=-1,
+        token_bytes=b"",
+        prob=0.0,
+        entropy=0.0,
+        margin=0.0,
+        cum_logprob=0.0,
+        min_prob=0.0,
+        target_tokens=0,
+        context=ctx,
+    )
+    return to_gate_rows(feature_row(blank)[None])[0]
 
 
 def feature_rows(steps: Sequence[DraftStep]) -> np.ndarray:

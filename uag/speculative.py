@@ -294,11 +294,15 @@ def speculative_generate(
         kept = a_text.keep_prefix_of(text)
         accepted_drafts = max(kept - committed, 0)
         bridge_s += clock() - t0
-        prev = IterationOutcome(drafted=len(steps), accepted=accepted_drafts)
+        outcome = IterationOutcome(drafted=len(steps), accepted=accepted_drafts)
+        if steps:
+            # "previous round" means the last round that drafted: a skipped round says nothing
+            # about agreement, and forgetting would lock a gate that skips once into skipping.
+            prev = outcome
         drafted_total += len(steps)
         accepted_total += accepted_drafts
         t0 = clock()
-        policy.update(prev)
+        policy.update(outcome)
         policy_s += clock() - t0
         records.append(
             IterationRecord(

@@ -1,0 +1,149 @@
+"""The learned controller at run time: an ONNX classifier behind the stop-policy protocol.
+
+Before each iteration it scores a *gate row* (only what is known before drafting: the target's
+confidence in its last token, recent agreement) and skips drafting when drafting is unlikely to
+pay; after each drafted token it scores the token's feature row and stops below its threshold.
+Both rows come from ``uag.features``, the code ``uag collect`` used for the training data.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from controllers.base import DraftContext, DraftStep, IterationOutcome
+from uag.errors import UagError
+from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_row, gate_row
+
+
+@dataclass(frozen=True)
+class ControllerInfo:
+    """The contract an exported controller carries in its ONNX metadata."""
+
+    path: Path
+    feature_names: list[str]
+    schema_version: int
+    threshold: float
+    gate_threshold: float
+    max_lookahead: int
+    target: str
+    assistant: str
+    assistant_int8: bool
+    latency_profile: dict[str, Any]
+    raw: dict[str, str] = field(repr=False)
+
+
+def _session(path: Path, *, use_cuda: bool) -> Any:
+    import onnxruntime as ort
+
+    if not path.is_file():
+        raise UagError(f"controller not found: {path}")
+    opts = ort.SessionOptions()
+    # One tiny call per drafted token: a single thread avoids thread-pool wake-ups, which cost
+    # more than the MLP itself.
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    providers = ["CPUExecutionProvider"]
+    if use_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types for corrupt files
+        raise UagError(
+            f"cannot load controller {path}: not a valid ONNX model ({str(exc).splitlines()[0][:120]})"
+        ) from exc
+
+
+def read_contract(path: Path, session: Any) -> ControllerInfo:
+    meta = dict(session.get_modelmeta().custom_metadata_map)
+    try:
+        info = ControllerInfo(
+            path=path,
+            feature_names=json.loads(meta["feature_names"]),
+            schema_version=int(meta["schema_version"]),
+            threshold=float(meta["threshold"]),
+            gate_threshold=float(meta.get("gate_threshold", "0")),
+            max_lookahead=int(meta.get("max_lookahead", "10")),
+            target=meta.get("target", "?"),
+            assistant=meta.get("assistant", "?"),
+            assistant_int8=json.loads(meta.get("assistant_int8", "false")),
+            latency_profile=json.loads(meta.get("latency_profile", "{}")),
+            raw=meta,
+        )
+    except (KeyError, ValueError) as exc:
+        raise UagError(
+            f"controller {path} lacks uag metadata ({exc}); export it with uag train-controller"
+        ) from exc
+    if info.schema_version != SCHEMA_VERSION or info.feature_names != list(FEATURE_NAMES):
+        raise UagError(
+            f"controller {path} was trained on feature schema v{info.schema_version} "
+            f"({len(info.feature_names)} features) but this uag computes v{SCHEMA_VERSION} "
+            f"({len(FEATURE_NAMES)} features): collect and train again"
+        )
+    return info
+
+
+@dataclass
+class LearnedPolicy:
+    """Stop policy backed by an exported controller (see module docstring)."""
+
+    path: Path
+    use_cuda: bool = False
+    name: str = field(default="learned", init=False)
+    needs_features: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.session = _session(self.path, use_cuda=self.use_cuda)
+        self.info = read_contract(self.path, self.session)
+        self.input_name = self.session.get_inputs()[0].name
+        self.output_name = self.session.get_outputs()[0].name
+        self.decisions = 0
+
+    def _score(self, row: np.ndarray) -> float:
+        self.decisions += 1
+        out = self.session.run([self.output_name], {self.input_name: row[None, :]})[0]
+        return float(np.asarray(out).reshape(-1)[0])
+
+    def warn_if_foreign(
+        self, *, target: str, assistant: str, assistant_int8: bool, device: str
+    ) -> list[str]:
+        """Warnings (printed to stderr) when run on another pair or device than trained for."""
+        notes = []
+        if (self.info.target, self.info.assistant) != (target, assistant):
+            notes.append(
+                f"trained for {self.info.target} <- {self.info.assistant}, running {target} <- {assistant}"
+            )
+        if self.info.assistant_int8 != assistant_int8:
+            notes.append(
+                f"trained with assistant_int8={self.info.assistant_int8}, running with {assistant_int8}"
+            )
+        trained_device = str(self.info.latency_profile.get("device", "?")).split(":")[0]
+        if trained_device != device:
+            notes.append(f"trained on {trained_device}, running on {device}")
+        for note in notes:
+            print(
+                f"uag: warning: controller {self.path.name} {note}; its thresholds may not fit",
+                file=sys.stderr,
+            )
+        return notes
+
+    def reset(self) -> None:
+        pass
+
+    def budget(self, ctx: DraftContext) -> int:
+        if self.info.gate_threshold > 0 and self._score(gate_row(ctx)) < self.info.gate_threshold:
+            return 0
+        return self.info.max_lookahead
+
+    def stop(self, step: DraftStep) -> bool:
+        return self._score(feature_row(step)) < self.info.threshold
+
+    def update(self, outcome: IterationOutcome) -> None:
+        pass

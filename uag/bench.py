@@ -1,0 +1,385 @@
+"""``uag bench``: every policy side by side on the same prompts, in one run, outputs checked.
+
+Honesty rules: one warm-up per arm (not timed); arms interleaved prompt by prompt (and repeat by
+repeat) so machine drift hits them alike; speed reported as ratios to ``target-only`` over the
+same prompts; every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
+it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
+the latency profile measured in this run, and is marked simulated.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from uag.errors import UagError
+
+DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
+ORACLE_LOOKAHEAD = 6
+
+
+@dataclass
+class BenchConfig:
+    prompts: str
+    out: Path
+    target: str = "gemma-3-270m"
+    assistant: str = "smollm2-135m"
+    text_column: str = "text"
+    limit: int | None = None
+    max_new_tokens: int = 128
+    controller: Path | None = None
+    policies: str = DEFAULT_POLICIES
+    repeats: int = 1
+    chat: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    assistant_int8: bool = False
+    progress: bool = True
+
+
+@dataclass
+class ArmRun:
+    """One arm on one prompt."""
+
+    ids: list[int]
+    seconds: float
+    target_forwards: int
+    drafted: int = 0
+    accepted: int = 0
+    policy_seconds: float = 0.0
+
+
+@dataclass
+class PolicyResult:
+    name: str
+    simulated: bool = False
+    seconds: float = 0.0
+    tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    policy_seconds: float = 0.0
+    runs: int = 0
+    identical_runs: int = 0
+    speedup_vs_target: float = 0.0
+
+    @property
+    def identical(self) -> bool:
+        return self.identical_runs == self.runs
+
+    def as_row(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "simulated": self.simulated,
+            "speedup_vs_target": round(self.speedup_vs_target, 4),
+            "identical": self.identical if not self.simulated else None,
+            "tokens_per_target_forward": round(self.tokens / self.target_forwards, 4)
+            if self.target_forwards
+            else None,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "seconds": round(self.seconds, 3),
+            "tokens": self.tokens,
+            "controller_share": round(self.policy_seconds / self.seconds, 5)
+            if self.seconds and self.policy_seconds
+            else None,
+        }
+
+
+@dataclass
+class BenchReport:
+    policies: list[PolicyResult]
+    machine: str
+    prompts: int
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policies": [p.as_row() for p in self.policies],
+            "machine": self.machine,
+            "prompts": self.prompts,
+            "config": self.config,
+        }
+
+    def markdown(self) -> str:
+        lines = [
+            "| policy | speed-up vs target-only | identical | tokens / target forward | acceptance | controller time |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in self.policies:
+            row = p.as_row()
+            ident = (
+                "simulated"
+                if p.simulated
+                else ("yes" if p.identical else f"**NO** ({p.identical_runs}/{p.runs})")
+            )
+            tpf = (
+                f"{row['tokens_per_target_forward']:.2f}"
+                if row["tokens_per_target_forward"]
+                else "-"
+            )
+            acc = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
+            share = f"{row['controller_share']:.2%}" if row["controller_share"] else "-"
+            lines.append(
+                f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ident} | {tpf} | {acc} | {share} |"
+            )
+        return "\n".join(lines)
+
+
+Arm = Callable[[str, int], ArmRun]
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    pattern = re.compile(
+        r"^(target-only|heuristic|transformers|learned|oracle|static-\d+|confidence-[0-9.]+|entropy(-[0-9.]+)?)$"
+    )
+    bad = [n for n in names if not pattern.match(n)]
+    if bad:
+        raise UagError(
+            f"unknown policy name(s) {', '.join(bad)}: use target-only, static-K, heuristic, confidence-T, "
+            "entropy[-T], transformers, learned, oracle"
+        )
+    if "target-only" not in names:
+        names.insert(0, "target-only")  # the reference every other arm is checked against
+    if len(set(names)) != len(names):
+        raise UagError("a policy is listed twice")
+    return names
+
+
+def _uag_arm(pair: Any, policy_factory: Callable[[], Any] | None, *, chat: bool) -> Arm:
+    import uag
+
+    def run(prompt: str, n: int) -> ArmRun:
+        policy = policy_factory() if policy_factory else None
+        res = uag.generate(pair, prompt, policy=policy, max_new_tokens=n, chat=chat)
+        return ArmRun(
+            ids=res.token_ids,
+            seconds=res.seconds,
+            target_forwards=res.target_forwards,
+            drafted=res.drafted_tokens,
+            accepted=res.accepted_drafts,
+            policy_seconds=res.time_split()["policy"],
+        )
+
+    return run
+
+
+def _transformers_arm(pair: Any, *, chat: bool) -> Arm:
+    """Transformers' own assisted generation on the same pair, with its defaults."""
+    import torch
+
+    from uag.api import encode_prompt, render_prompt
+
+    def run(prompt: str, n: int) -> ArmRun:
+        text = render_prompt(pair, prompt, chat=chat)
+        ids, _ = encode_prompt(pair, text)
+        input_ids = torch.tensor([ids], device=pair.target.device)
+        tok = pair.target.tokenizer
+        start = time.perf_counter()
+        out = pair.target.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=n,
+            do_sample=False,
+            assistant_model=pair.assistant.model,
+            tokenizer=tok,
+            assistant_tokenizer=pair.assistant.tokenizer,
+            eos_token_id=sorted(pair.target.eos_ids),
+            pad_token_id=tok.pad_token_id,
+        )
+        seconds = time.perf_counter() - start
+        new = out[0, len(ids) :].tolist()
+        return ArmRun(ids=new, seconds=seconds, target_forwards=0)
+
+    return run
+
+
+def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
+    from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+
+    arms: dict[str, Arm] = {}
+    for name in names:
+        if name == "oracle":
+            continue
+        factory: Callable[[], Any] | None
+        if name == "target-only":
+            factory = None
+        elif name.startswith("static-"):
+            k = int(name.split("-")[1])
+            factory = lambda k=k: StaticPolicy(k=k)  # noqa: E731
+        elif name == "heuristic":
+            factory = HeuristicPolicy
+        elif name.startswith("confidence-"):
+            t = float(name.split("-")[1])
+            factory = lambda t=t: ConfidencePolicy(threshold=t)  # noqa: E731
+        elif name.startswith("entropy"):
+            t = float(name.split("-")[1]) if "-" in name else 1.5
+            factory = lambda t=t: EntropyPolicy(threshold=t)  # noqa: E731
+        elif name == "learned":
+            factory = _learned_factory(pair, cfg)
+        elif name == "transformers":
+            arms[name] = _transformers_arm(pair, chat=cfg.chat)
+            continue
+        else:  # parse_policies rejects anything else
+            raise UagError(f"unknown policy {name!r}")
+        arms[name] = _uag_arm(pair, factory, chat=cfg.chat)
+    return arms
+
+
+def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
+    from controllers.learned import LearnedPolicy
+
+    if cfg.controller is None:
+        raise UagError("policy 'learned' needs --controller PATH.onnx")
+    policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
+    policy.warn_if_foreign(
+        target=cfg.target,
+        assistant=cfg.assistant,
+        assistant_int8=cfg.assistant_int8,
+        device=pair.target.device.type,
+    )
+    return lambda: policy
+
+
+def _oracle(pair: Any, prompts: list[Any], cfg: BenchConfig) -> float:
+    """Simulated oracle speed-up from a long-lookahead pass over the same prompts."""
+    from controllers.rules import StaticPolicy
+    from training.data import from_columns
+    from training.replay import build_iterations, oracle
+    from uag.api import encode_prompt, render_prompt
+    from uag.collect import rows_for_prompt
+    from uag.features import FEATURE_NAMES, SCHEMA_VERSION
+    from uag.latency import measure_profile
+    from uag.speculative import speculative_generate
+
+    profile = measure_profile(
+        target=pair.target_lm, assistant=pair.assistant_lm, max_candidates=ORACLE_LOOKAHEAD + 1
+    )
+    parts = []
+    for p in prompts:
+        t_ids, a_ids = encode_prompt(pair, render_prompt(pair, p.text, chat=cfg.chat))
+        out = speculative_generate(
+            target=pair.target_lm,
+            assistant=pair.assistant_lm,
+            bridge=pair.bridge,
+            target_eos=pair.target.eos_ids,
+            assistant_eos=pair.assistant.eos_ids,
+            prompt_target_ids=t_ids,
+            prompt_assistant_ids=a_ids,
+            policy=StaticPolicy(k=ORACLE_LOOKAHEAD),
+            max_new_tokens=cfg.max_new_tokens,
+            keep_steps=True,
+        )
+        cols = rows_for_prompt(p, out.iterations)
+        if len(cols["accepted"]):
+            parts.append(cols)
+    if not parts:
+        return 1.0
+    meta = {
+        "feature_names": list(FEATURE_NAMES),
+        "schema_version": SCHEMA_VERSION,
+        "latency_profile": profile.to_dict(),
+    }
+    return oracle(build_iterations(from_columns(parts, meta)), profile).speedup
+
+
+def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
+    """Run the benchmark; ``extra_arms`` lets tests add an arm (e.g. a deliberately broken one)."""
+    import torch
+    from tqdm import tqdm
+
+    import uag
+    from uag.prompts import load_prompts
+
+    if cfg.repeats < 1:
+        raise UagError(f"--repeats must be at least 1, got {cfg.repeats}")
+    names = parse_policies(cfg.policies)
+    prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    pair = uag.load_pair(
+        cfg.target,
+        cfg.assistant,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        assistant_int8=cfg.assistant_int8,
+    )
+    arms = build_arms(names, pair, cfg)
+    arms.update(extra_arms or {})
+    results = {name: PolicyResult(name) for name in arms}
+    for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
+        arm(prompts[0].text, 4)
+    total = len(prompts) * cfg.repeats * len(arms)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
+    for prompt in prompts:
+        for _ in range(cfg.repeats):
+            reference: list[int] | None = None
+            for name, arm in arms.items():  # interleaved: each prompt runs every arm in turn
+                run = arm(prompt.text, cfg.max_new_tokens)
+                if name == "target-only":
+                    reference = run.ids
+                res = results[name]
+                res.seconds += run.seconds
+                res.tokens += len(run.ids)
+                res.target_forwards += run.target_forwards
+                res.drafted += run.drafted
+                res.accepted += run.accepted
+                res.policy_seconds += run.policy_seconds
+                res.runs += 1
+                res.identical_runs += int(run.ids == reference)
+                bar.update(1)
+                bar.set_postfix(prompt=prompt.id[:20], arm=name)
+    bar.close()
+    base = results["target-only"].seconds
+    for res in results.values():
+        res.speedup_vs_target = base / res.seconds if res.seconds else 0.0
+    ordered = [results[n] for n in arms]
+    if "oracle" in names:
+        ordered.append(
+            PolicyResult("oracle", simulated=True, speedup_vs_target=_oracle(pair, prompts, cfg))
+        )
+    machine = (
+        f"{platform.machine()} {platform.processor() or ''}".strip()
+        + f", {torch.get_num_threads()} threads, torch {torch.__version__}, device {pair.target.device}"
+    )
+    config = {
+        k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
+    }
+    return BenchReport(policies=ordered, machine=machine, prompts=len(prompts), config=config)
+
+
+def write_report(report: BenchReport, out: Path) -> None:
+    """results.json, results.md, speedup.png and TensorBoard scalars under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torch.utils.tensorboard import SummaryWriter
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
+    header = f"{report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, machine: {report.machine}\n\n"
+    (out / "results.md").write_text(header + report.markdown() + "\n")
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = [p.name + (" (sim)" if p.simulated else "") for p in report.policies]
+    values = [p.speedup_vs_target for p in report.policies]
+    colors = [
+        "#999" if p.simulated else ("#c33" if not p.identical else "#36c") for p in report.policies
+    ]
+    ax.bar(names, values, color=colors)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("speed-up vs target-only")
+    ax.set_title(f"uag bench: {report.prompts} prompts")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+    writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+    for i, p in enumerate(report.policies):
+        writer.add_scalar(f"bench/speedup_vs_target/{p.name}", p.speedup_vs_target, i)
+    writer.add_text("bench/results", report.markdown())
+    writer.close()
