@@ -132,3 +132,28 @@ def test_bad_training_input(tmp_path, capsys):
         main(["train-controller", "--data", str(a), str(b), "--out", str(tmp_path / "c.onnx")]) == 2
     )
     assert "disagree on feature_names" in _one_line(capsys)
+
+
+def test_replay_gate_skips_iterations():
+    profile = LatencyProfile(device="x", draft_s=1.0, verify_s=[10.0, 12.0, 14.0])
+    # Iteration 0: nothing accepted (drafting wastes time); iteration 1: both drafts accepted.
+    its = replay.Iterations(
+        accepted=np.array([0, 2]),
+        drafted=np.array([2, 2]),
+        target_tokens=np.array([[0.0, 1, 2], [0.0, 1, 2]]),
+        values={"score": np.array([[0.9, 0.9], [0.9, 0.9]])},
+        gate=np.array([0.1, 0.9]),
+    )
+    never = replay.learned(its, profile, stop_below=0.5, gate_below=0.0)
+    gated = replay.learned(its, profile, stop_below=0.5, gate_below=0.5)
+    assert never.tokens_per_s == pytest.approx((1 + 3) / (16 + 16))
+    assert gated.tokens_per_s == pytest.approx((1 + 3) / (10 + 16))
+    t, g, best = replay.best_learned(its, profile)
+    assert 0.1 < g <= 0.9 and best.tokens_per_s == pytest.approx(gated.tokens_per_s)
+
+
+def test_build_iterations_carries_gate_scores(tmp_path):
+    data = load_runs([write_run(tmp_path / "r", prompts=2)])
+    gate = np.where(data.columns["position"] == 1, 0.25, np.nan)
+    its = replay.build_iterations(data, np.full(len(data.labels), 0.5), gate)
+    assert its.gate is not None and np.all(its.gate == 0.25)

@@ -75,8 +75,13 @@ def build_iterations(
     for k in range(1, max_len + 1):
         gap = np.isnan(target_tokens[:, k])
         target_tokens[gap, k] = target_tokens[gap, k - 1]
+    gate = None
+    if gate_scores is not None:
+        gate = np.full(n_iter, np.nan)
+        first = pos == 1
+        gate[inv[first]] = gate_scores[first]
     return Iterations(
-        accepted=accepted, drafted=drafted, target_tokens=target_tokens, values=values
+        accepted=accepted, drafted=drafted, target_tokens=target_tokens, values=values, gate=gate
     )
 
 
