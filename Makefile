@@ -21,10 +21,24 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-## The main job on the embedded default models (Gemma 3 270M ← SmolLM2 135M).
+DEMO := runs/demo
+## The main job on the embedded default models (Gemma 3 270M <- SmolLM2 135M), ~6 min on 2 cores:
+## prepare models -> a small collect -> train a controller -> generate with the shipped one -> bench.
 demo: $(STAMP)
+	@echo "== 1/5 models: convert the embedded GGUF files once (cached in $${UAG_CACHE:-~/.cache/uag})"
 	$(BIN)/uag models prepare gemma-3-270m smollm2-135m
-	$(BIN)/uag generate --prompt "def fibonacci(n):" --max-new-tokens 64 --compare-target-only
+	@echo "== 2/5 collect: draft 6 tokens every round on 6 training prompts, log features + acceptance"
+	$(BIN)/uag collect --prompts mixed:train --limit 6 --max-new-tokens 32 --max-lookahead 6 \
+		--assistant-int8 --out $(DEMO)/collected --overwrite --logdir $(DEMO)/tb-collect
+	@echo "== 3/5 train: a small controller on that data (the shipped one used 120 prompts)"
+	$(BIN)/uag train-controller --data $(DEMO)/collected --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10
+	@echo "== 4/5 generate with the shipped controller, checked token-identical to the target alone"
+	$(BIN)/uag generate --controller exports/ctrl.onnx --assistant-int8 --max-new-tokens 64 --compare-target-only \
+		--prompt "def is_prime(n: int) -> bool:"
+	@echo "== 5/5 bench on 2 held-out prompts (see README for the full table)"
+	$(BIN)/uag bench --prompts humaneval:test --limit 2 --max-new-tokens 64 --assistant-int8 \
+		--controller exports/ctrl.onnx --policies target-only,static-2,transformers,learned,oracle --out $(DEMO)/bench
+	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)"
 
 ## The test suite CI runs (real-pair tests included; `-m slow` ones excluded).
 test: $(STAMP)
