@@ -87,7 +87,16 @@ def _rows(ds: object, text_column: str, *, where: str) -> list[Prompt]:
 def load_prompts(
     source: str, *, text_column: str = "text", limit: int | None = None
 ) -> list[Prompt]:
-    """The prompts of ``source`` (see module docstring), in source order, at most ``limit``."""
+    """The prompts of ``source`` (see module docstring), in source order, at most ``limit``.
+
+    Several sources join with ``+`` (``humaneval:test+mixed:test``); ``limit`` applies to each.
+    """
+    if "+" in source:
+        parts = source.split("+")
+        joined = [
+            p for part in parts for p in load_prompts(part, text_column=text_column, limit=limit)
+        ]
+        return _unique(joined, source)
     name, split = _parse(source)
     if name == "humaneval":
         prompts = _humaneval()
@@ -104,6 +113,10 @@ def load_prompts(
         prompts = prompts[:limit]
     if not prompts:
         raise UagError(f"prompt source {source!r} holds no prompts")
+    return _unique(prompts, source)
+
+
+def _unique(prompts: list[Prompt], source: str) -> list[Prompt]:
     seen: set[str] = set()
     for p in prompts:
         if p.id in seen:
