@@ -363,7 +363,7 @@ def run_collect(args: argparse.Namespace) -> int:
         f"({s.prompts_skipped} already done) into {s.out}; acceptance {s.acceptance_rate:.1%}; "
         f"logging overhead {s.logging_overhead:.1%} of loop time"
     )
-    if s.acceptance_by_position:
+    if s.rows:
         print(
             "acceptance by draft position: "
             + " ".join(f"{r:.2f}" for r in s.acceptance_by_position)
