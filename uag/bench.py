@@ -249,31 +249,25 @@ def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
 
 def _oracle(pair: Any, prompts: list[Any], cfg: BenchConfig) -> float:
     """Simulated oracle speed-up from a long-lookahead pass over the same prompts."""
+    import uag
     from controllers.rules import StaticPolicy
     from training.data import from_columns
     from training.replay import build_iterations, oracle
-    from uag.api import encode_prompt, render_prompt
     from uag.collect import rows_for_prompt
     from uag.features import FEATURE_NAMES, SCHEMA_VERSION
     from uag.latency import measure_profile
-    from uag.speculative import speculative_generate
 
     profile = measure_profile(
         target=pair.target_lm, assistant=pair.assistant_lm, max_candidates=ORACLE_LOOKAHEAD + 1
     )
     parts = []
     for p in prompts:
-        t_ids, a_ids = encode_prompt(pair, render_prompt(pair, p.text, chat=cfg.chat))
-        out = speculative_generate(
-            target=pair.target_lm,
-            assistant=pair.assistant_lm,
-            bridge=pair.bridge,
-            target_eos=pair.target.eos_ids,
-            assistant_eos=pair.assistant.eos_ids,
-            prompt_target_ids=t_ids,
-            prompt_assistant_ids=a_ids,
+        out = uag.generate(
+            pair,
+            p.text,
             policy=StaticPolicy(k=ORACLE_LOOKAHEAD),
             max_new_tokens=cfg.max_new_tokens,
+            chat=cfg.chat,
             keep_steps=True,
         )
         cols = rows_for_prompt(p, out.iterations)

@@ -211,9 +211,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     from tqdm import tqdm
 
     import uag
-    from uag.api import encode_prompt, render_prompt
     from uag.latency import measure_profile
-    from uag.speculative import speculative_generate
 
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     i, n = cfg.shard
@@ -281,19 +279,13 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     probs_rej: list[np.ndarray] = []
     bar = tqdm(todo, desc=f"collect {i}/{n}", unit="prompt", disable=not progress)
     for prompt in bar:
-        text = render_prompt(pair, prompt.text, chat=cfg.chat)
-        target_ids, assistant_ids = encode_prompt(pair, text)
         start = time.perf_counter()
-        out = speculative_generate(
-            target=pair.target_lm,
-            assistant=pair.assistant_lm,
-            bridge=pair.bridge,
-            target_eos=pair.target.eos_ids,
-            assistant_eos=pair.assistant.eos_ids,
-            prompt_target_ids=target_ids,
-            prompt_assistant_ids=assistant_ids,
+        out = uag.generate(
+            pair,
+            prompt.text,
             policy=StaticPolicy(k=cfg.max_lookahead),
             max_new_tokens=cfg.max_new_tokens,
+            chat=cfg.chat,
             keep_steps=True,
         )
         loop_s = time.perf_counter() - start
@@ -316,7 +308,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
             )
             writer.add_scalar(
                 "collect/tokens_per_target_forward",
-                len(out.ids) / max(len(out.iterations), 1),
+                out.tokens_per_forward,
                 step,
             )
         # Logging is measured against the loop so its overhead can be reported (target: < 5%).
