@@ -77,3 +77,15 @@ def test_models_list(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "gemma-3-270m" in out and "smollm2-135m" in out
+
+
+@pytest.mark.parametrize(
+    "first", ["controllers", "controllers.learned", "training.train", "uag.features"]
+)
+def test_packages_import_in_any_order(first):
+    import subprocess
+    import sys
+
+    code = f"import {first}; import uag; import controllers; print('ok')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-1000:]

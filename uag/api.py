@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from controllers.base import StopPolicy
-from controllers.rules import StaticPolicy
 from uag.bridge import Bridge
 from uag.errors import UagError
 from uag.models import (
@@ -223,6 +222,10 @@ def generate(
     if max_new_tokens < 1:
         raise UagError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if policy == "default":
+        # Imported here: controllers.rules imports uag.errors, so a module-level import would
+        # make `from controllers import ...` before `import uag` circular.
+        from controllers.rules import StaticPolicy
+
         policy = StaticPolicy(k=3)
     if isinstance(policy, str):
         raise UagError(f"policy must be a StopPolicy or None, got the string {policy!r}")
