@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tiny import one_clean_line
 from uag.cli import COMMANDS, build_parser, main
 
 
@@ -35,13 +36,6 @@ def test_generate_help_explains_flags(capsys):
         assert flag in out
 
 
-def _one_clean_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -55,14 +49,14 @@ def _one_clean_line(capsys) -> str:
 )
 def test_bad_input_is_one_line(capsys, argv, message):
     assert main(argv) == 2
-    assert message in _one_clean_line(capsys)
+    assert message in one_clean_line(capsys)
 
 
 def test_empty_prompt_file(tmp_path, capsys):
     empty = tmp_path / "p.txt"
     empty.write_text("  \n")
     assert main(["generate", "--prompt-file", str(empty)]) == 2
-    assert "empty" in _one_clean_line(capsys)
+    assert "empty" in one_clean_line(capsys)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "many"])
@@ -70,7 +64,7 @@ def test_non_positive_max_new_tokens(capsys, value):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--prompt", "x", "--max-new-tokens", value])
     assert exc.value.code == 2
-    assert "--max-new-tokens" in _one_clean_line(capsys)
+    assert "--max-new-tokens" in one_clean_line(capsys)
 
 
 def test_models_list(capsys):

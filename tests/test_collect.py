@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 import uag
 from controllers.base import DraftContext, DraftStep, IterationOutcome
-from tests.tiny import same_tokenizer_pair
+from tests.tiny import one_clean_line, same_tokenizer_pair
 from uag.cli import main
 from uag.collect import CollectConfig, collect, rows_for_prompt
 from uag.features import FEATURE_NAMES, feature_row
@@ -204,39 +204,33 @@ def test_kill_9_then_resume(tiny_dirs, tmp_path):
     assert not list(out.glob(".*tmp"))
 
 
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_collect_input(tmp_path, capsys, tiny_dirs):
     base = ["collect", "--target", tiny_dirs[0], "--assistant", tiny_dirs[1]]
     assert (
         main([*base, "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
         == 2
     )
-    assert "not found" in _one_line(capsys)
+    assert "not found" in one_clean_line(capsys)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main([*base, "--prompts", str(empty), "--out", str(tmp_path / "o")]) == 2
-    assert "empty" in _one_line(capsys)
+    assert "empty" in one_clean_line(capsys)
     csv = tmp_path / "p.csv"
     csv.write_text("id,question\n1,hello\n")
     assert main([*base, "--prompts", str(csv), "--out", str(tmp_path / "o")]) == 2
-    assert "no column 'text'" in _one_line(capsys)
+    assert "no column 'text'" in one_clean_line(capsys)
     assert (
         main([*base, "--prompts", "mixed", "--max-lookahead", "0", "--out", str(tmp_path / "o")])
         == 2
     )
-    assert "--max-lookahead" in _one_line(capsys)
+    assert "--max-lookahead" in one_clean_line(capsys)
     assert main([*base, "--prompts", "nonsense-source", "--out", str(tmp_path / "o")]) == 2
-    assert "unknown prompt source" in _one_line(capsys)
+    assert "unknown prompt source" in one_clean_line(capsys)
     held = tmp_path / "held"
     held.mkdir()
     (held / "meta.json").write_text("{}")
     assert main([*base, "--prompts", "mixed", "--out", str(held)]) == 2
-    assert "--resume" in _one_line(capsys)
+    assert "--resume" in one_clean_line(capsys)
 
 
 def test_shards_split_prompts_and_share_a_directory(tiny_dirs, tmp_path):

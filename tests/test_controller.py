@@ -11,6 +11,7 @@ import torch
 import uag
 from controllers.base import DraftContext
 from controllers.learned import LearnedPolicy
+from tests.tiny import one_clean_line
 from training.export import export_onnx
 from training.model import ControllerNet
 from uag.bench import ArmRun, BenchConfig, run_bench
@@ -96,12 +97,6 @@ def test_learned_policy_is_lossless_in_the_loop(tmp_path, tiny_dirs):
     assert policy.decisions > 0
 
 
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_controller_input(tmp_path, capsys):
     (tmp_path / "junk.onnx").write_bytes(b"garbage")
     for path, message in (
@@ -109,10 +104,10 @@ def test_bad_controller_input(tmp_path, capsys):
         (tmp_path / "junk.onnx", "not a valid ONNX"),
     ):
         assert main(["generate", "--prompt", "x", "--controller", str(path)]) == 2
-        assert message in _one_line(capsys)
+        assert message in one_clean_line(capsys)
     _export(tmp_path / "old.onnx", schema=SCHEMA_VERSION + 1)
     assert main(["generate", "--prompt", "x", "--controller", str(tmp_path / "old.onnx")]) == 2
-    assert "feature schema" in _one_line(capsys)
+    assert "feature schema" in one_clean_line(capsys)
 
 
 def test_bad_bench_input(tmp_path, capsys, tiny_dirs):
@@ -126,11 +121,11 @@ def test_bad_bench_input(tmp_path, capsys, tiny_dirs):
         str(tmp_path / "b"),
     ]
     assert main([*base, "--prompts", "mixed", "--policies", "static-2,warp-speed"]) == 2
-    assert "unknown policy" in _one_line(capsys)
+    assert "unknown policy" in one_clean_line(capsys)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main([*base, "--prompts", str(empty)]) == 2
-    assert "empty" in _one_line(capsys)
+    assert "empty" in one_clean_line(capsys)
     assert (
         main(
             [
@@ -145,7 +140,7 @@ def test_bad_bench_input(tmp_path, capsys, tiny_dirs):
         )
         == 2
     )
-    assert "not found" in _one_line(capsys)
+    assert "not found" in one_clean_line(capsys)
 
 
 def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):

@@ -8,7 +8,7 @@ import torch
 import uag
 from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
-from tests.tiny import cross_pair, same_tokenizer_pair, tiny_gemma
+from tests.tiny import cross_pair, logits_after_crop_and_fresh, same_tokenizer_pair, tiny_gemma
 from uag.errors import UagError
 from uag.runner import CachedLM
 
@@ -92,17 +92,7 @@ def test_crop_semantics(tokenizers):
 def test_logits_after_crop_equal_fresh_prefill(tokenizers):
     model = tiny_gemma(len(tokenizers[0]), sliding_window=8)
     ids = list(range(100, 140))
-    lm = CachedLM(model)
-    lm.reset(ids, rollback=True)
-    lm.forward()
-    lm.ids.extend([5, 6, 7, 8, 9])
-    lm.forward()
-    lm.truncate(len(ids))
-    lm.ids.append(77)
-    after_crop = lm.logits(lm.forward()[-1:])
-    fresh = CachedLM(model)
-    fresh.reset([*ids, 77], rollback=False)
-    expected = fresh.logits(fresh.forward()[-1:])
+    after_crop, expected = logits_after_crop_and_fresh(model, ids, [5, 6, 7, 8, 9], 77)
     torch.testing.assert_close(after_crop, expected, rtol=1e-4, atol=1e-4)
 
 

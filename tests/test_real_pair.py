@@ -13,7 +13,7 @@ import torch
 import uag
 from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
-from uag.runner import CachedLM
+from tests.tiny import logits_after_crop_and_fresh
 
 pytestmark = pytest.mark.real
 
@@ -57,17 +57,7 @@ def test_long_prompt_past_sliding_window(real_pair):
 def test_gemma_logits_after_crop_equal_fresh_prefill(real_pair):
     model = real_pair.target.model
     ids = real_pair.target.tokenizer(" ".join(["word"] * 620))["input_ids"]
-    lm = CachedLM(model)
-    lm.reset(ids, rollback=True)
-    lm.forward()
-    lm.ids.extend([1000, 2000, 3000])
-    lm.forward()
-    lm.truncate(len(ids))
-    lm.ids.append(4000)
-    after = lm.logits(lm.forward()[-1:])
-    fresh = CachedLM(model)
-    fresh.reset([*ids, 4000], rollback=False)
-    expected = fresh.logits(fresh.forward()[-1:])
+    after, expected = logits_after_crop_and_fresh(model, ids, [1000, 2000, 3000], 4000)
     torch.testing.assert_close(after, expected, rtol=1e-3, atol=1e-3)
 
 

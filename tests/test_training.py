@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.synthetic import PROFILE, write_run
+from tests.tiny import one_clean_line
 from training import replay
 from training.data import load_runs
 from training.train import TrainConfig, train
@@ -112,26 +113,20 @@ def test_onnx_parity_failure_is_loud(tmp_path, monkeypatch):
     assert not (tmp_path / "bad.onnx").exists()
 
 
-def _one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_bad_training_input(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["train-controller", "--data", str(empty), "--out", str(tmp_path / "c.onnx")]) == 2
-    assert "meta.json" in _one_line(capsys)
+    assert "meta.json" in one_clean_line(capsys)
     single = write_run(tmp_path / "single", single_class=True, prompts=3)
     assert main(["train-controller", "--data", str(single), "--out", str(tmp_path / "c.onnx")]) == 2
-    assert "single label class" in _one_line(capsys)
+    assert "single label class" in one_clean_line(capsys)
     a = write_run(tmp_path / "a", prompts=3)
     b = write_run(tmp_path / "b", prompts=3, feature_names=tuple(reversed(FEATURE_NAMES)))
     assert (
         main(["train-controller", "--data", str(a), str(b), "--out", str(tmp_path / "c.onnx")]) == 2
     )
-    assert "disagree on feature_names" in _one_line(capsys)
+    assert "disagree on feature_names" in one_clean_line(capsys)
 
 
 def test_replay_gate_skips_iterations():

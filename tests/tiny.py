@@ -8,6 +8,31 @@ from uag.api import Pair, make_pair
 from uag.models import wrap_model
 
 
+def one_clean_line(capsys) -> str:
+    """The captured stderr, asserted to be one line with no traceback (how bad input must fail)."""
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def logits_after_crop_and_fresh(model, ids: list[int], rejected: list[int], next_id: int):
+    """Logits for ``next_id`` after feeding ``rejected`` and cropping it away, and from a fresh
+    prefill of the same sequence: a correct rollback makes them equal."""
+    from uag.runner import CachedLM
+
+    lm = CachedLM(model)
+    lm.reset(ids, rollback=True)
+    lm.forward()
+    lm.ids.extend(rejected)
+    lm.forward()
+    lm.truncate(len(ids))
+    lm.ids.append(next_id)
+    after = lm.logits(lm.forward()[-1:])
+    fresh = CachedLM(model)
+    fresh.reset([*ids, next_id], rollback=False)
+    return after, fresh.logits(fresh.forward()[-1:])
+
+
 def tiny_gemma(vocab: int, *, seed: int = 0, sliding_window: int = 8):
     """A 2-layer Gemma 3 with a tiny sliding window, so crops past the window happen early."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
