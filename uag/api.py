@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,33 @@ from uag.speculative import IterationRecord, StopReason, speculative_generate, t
 
 DEFAULT_TARGET = "gemma-3-270m"
 DEFAULT_ASSISTANT = "smollm2-135m"
+
+
+@dataclass
+class RunConfig:
+    """What every prompt-set job (collect, bench) needs: prompts, output, and the model pair."""
+
+    prompts: str
+    """Prompt source: humaneval[:train|:test], a set in data/prompts, a local file; join with +."""
+    out: Path
+    target: str = DEFAULT_TARGET
+    assistant: str = DEFAULT_ASSISTANT
+    text_column: str = "text"
+    limit: int | None = None
+    max_new_tokens: int = 128
+    chat: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    assistant_int8: bool = False
+
+    def load_pair(self) -> Pair:
+        return load_pair(
+            self.target,
+            self.assistant,
+            device=self.device,
+            dtype=self.dtype,
+            assistant_int8=self.assistant_int8,
+        )
 
 
 @dataclass

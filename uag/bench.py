@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from uag.api import RunConfig
 from uag.errors import UagError
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
@@ -25,21 +26,12 @@ ORACLE_LOOKAHEAD = 6
 
 
 @dataclass
-class BenchConfig:
-    prompts: str
-    out: Path
-    target: str = "gemma-3-270m"
-    assistant: str = "smollm2-135m"
-    text_column: str = "text"
-    limit: int | None = None
-    max_new_tokens: int = 128
+class BenchConfig(RunConfig):
+    """Which policies to compare, on which prompts and pair."""
+
     controller: Path | None = None
     policies: str = DEFAULT_POLICIES
     repeats: int = 1
-    chat: bool = False
-    device: str = "auto"
-    dtype: str = "auto"
-    assistant_int8: bool = False
     progress: bool = True
 
 
@@ -170,32 +162,44 @@ def _uag_arm(pair: Any, policy_factory: Callable[[], Any] | None, *, chat: bool)
     return run
 
 
-def _transformers_arm(pair: Any, *, chat: bool) -> Arm:
-    """Transformers' own assisted generation on the same pair, with its defaults."""
+def transformers_generate(
+    pair: Any, prompt: str, n: int, *, chat: bool = False, assisted: bool = False
+) -> list[int]:
+    """Greedy Transformers ``generate()`` on the pair's target (with the assistant when
+    ``assisted``, through its UAG path), same prompt ids and stop tokens as uag uses."""
     import torch
 
     from uag.api import encode_prompt, render_prompt
 
+    ids, _ = encode_prompt(pair, render_prompt(pair, prompt, chat=chat))
+    input_ids = torch.tensor([ids], device=pair.target.device)
+    tok = pair.target.tokenizer
+    extra: dict[str, Any] = {}
+    if assisted:
+        extra = {
+            "assistant_model": pair.assistant.model,
+            "tokenizer": tok,
+            "assistant_tokenizer": pair.assistant.tokenizer,
+        }
+    out = pair.target.model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=sorted(pair.target.eos_ids),
+        pad_token_id=tok.pad_token_id,
+        **extra,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def _transformers_arm(pair: Any, *, chat: bool) -> Arm:
+    """Transformers' own assisted generation on the same pair, with its defaults."""
+
     def run(prompt: str, n: int) -> ArmRun:
-        text = render_prompt(pair, prompt, chat=chat)
-        ids, _ = encode_prompt(pair, text)
-        input_ids = torch.tensor([ids], device=pair.target.device)
-        tok = pair.target.tokenizer
         start = time.perf_counter()
-        out = pair.target.model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=n,
-            do_sample=False,
-            assistant_model=pair.assistant.model,
-            tokenizer=tok,
-            assistant_tokenizer=pair.assistant.tokenizer,
-            eos_token_id=sorted(pair.target.eos_ids),
-            pad_token_id=tok.pad_token_id,
-        )
-        seconds = time.perf_counter() - start
-        new = out[0, len(ids) :].tolist()
-        return ArmRun(ids=new, seconds=seconds, target_forwards=0)
+        new = transformers_generate(pair, prompt, n, chat=chat, assisted=True)
+        return ArmRun(ids=new, seconds=time.perf_counter() - start, target_forwards=0)
 
     return run
 
@@ -288,20 +292,13 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     import torch
     from tqdm import tqdm
 
-    import uag
     from uag.prompts import load_prompts
 
     if cfg.repeats < 1:
         raise UagError(f"--repeats must be at least 1, got {cfg.repeats}")
     names = parse_policies(cfg.policies)
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
-    pair = uag.load_pair(
-        cfg.target,
-        cfg.assistant,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        assistant_int8=cfg.assistant_int8,
-    )
+    pair = cfg.load_pair()
     arms = build_arms(names, pair, cfg)
     arms.update(extra_arms or {})
     results = {name: PolicyResult(name) for name in arms}

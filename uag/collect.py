@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from controllers.rules import StaticPolicy
+from uag.api import RunConfig
 from uag.errors import UagError
 from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
 from uag.prompts import Prompt, load_prompts
@@ -43,28 +44,16 @@ stop point (how many tokens a perfect controller would have drafted this iterati
 
 
 @dataclass
-class CollectConfig:
+class CollectConfig(RunConfig):
     """What to collect, from which pair, and where to write it."""
 
-    prompts: str
-    """Prompt source: humaneval[:train|:test], a shipped set (data/prompts), or a local file."""
-    out: Path
-    target: str = "gemma-3-270m"
-    assistant: str = "smollm2-135m"
-    text_column: str = "text"
-    limit: int | None = None
     max_lookahead: int = 10
     """Tokens drafted every iteration (the draft never stops earlier, except at the assistant's EOS)."""
-    max_new_tokens: int = 128
-    chat: bool = False
     resume: bool = False
     overwrite: bool = False
     shard: tuple[int, int] = (0, 1)
     """(i, n): this process takes prompts whose index % n == i."""
     logdir: Path | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    assistant_int8: bool = False
     profile_repeats: int = 5
     reprofile: bool = False
     """Measure the latency profile again even when resuming (new machine, faster code)."""
@@ -217,13 +206,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     i, n = cfg.shard
     mine = [p for k, p in enumerate(prompts) if k % n == i]
     todo = _prepare_out(cfg, mine)
-    pair = uag.load_pair(
-        cfg.target,
-        cfg.assistant,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        assistant_int8=cfg.assistant_int8,
-    )
+    pair = cfg.load_pair()
 
     meta = meta_path(cfg.out, cfg.shard)
     if not meta.exists() or cfg.reprofile:

@@ -33,6 +33,7 @@ import uag
 from controllers.base import StopPolicy
 from controllers.rules import StaticPolicy
 from uag.api import Pair, make_pair
+from uag.bench import transformers_generate
 from uag.models import quantize_int8
 
 
@@ -57,20 +58,6 @@ def humaneval_prompts(spec: str) -> list[str]:
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(int(lo), int(hi or lo) + 1)]
 
 
-def _hf_generate(pair: Pair, prompt: str, n: int, **kwargs: object) -> list[int]:
-    tok = pair.target.tokenizer
-    ids = tok(prompt, return_tensors="pt").input_ids
-    out = pair.target.model.generate(
-        ids,
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=sorted(pair.target.eos_ids),
-        pad_token_id=tok.pad_token_id,
-        **kwargs,
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
 def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
     torch.manual_seed(0)
     pair = uag.load_pair()
@@ -83,20 +70,13 @@ def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
     assistant_model.generation_config.assistant_confidence_threshold = 0.0
 
     def hf_uag(prompt: str) -> list[int]:
-        return _hf_generate(
-            pair,
-            prompt,
-            max_new_tokens,
-            assistant_model=assistant_model,
-            tokenizer=pair.target.tokenizer,
-            assistant_tokenizer=pair.assistant.tokenizer,
-        )
+        return transformers_generate(pair, prompt, max_new_tokens, assisted=True)
 
     def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], uag.GenerationResult]:
         return lambda prompt: uag.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
 
     arms: dict[str, Callable[[str], list[int] | uag.GenerationResult]] = {
-        "hf-target": lambda prompt: _hf_generate(pair, prompt, max_new_tokens),
+        "hf-target": lambda prompt: transformers_generate(pair, prompt, max_new_tokens),
         "uag-target": uag_arm(pair, None),
         "hf-uag": hf_uag,
         "uag-static": uag_arm(pair, StaticPolicy(k=lookahead)),
