@@ -64,7 +64,7 @@ def test_exact_assistant_accepts_everything(tokenizers):
     out = uag.generate(pair, "The", policy=StaticPolicy(k=5), max_new_tokens=30)
     assert out.token_ids == ref.token_ids
     assert out.acceptance_rate == 1.0
-    assert out.target_forwards == 5  # 5 drafted + 1 bonus per pass, 30 tokens
+    assert out.target_forwards == 6  # the prompt prefilled alone, then 5 drafted + 1 bonus per pass
 
 
 def test_sliding_window_crop_past_window(tokenizers):

@@ -13,7 +13,11 @@ import torch
 import uag
 from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
-from tests.tiny import logits_after_crop_and_fresh
+from tests.tiny import logits_after_crop_and_fresh, one_row_vs_chunked_logits
+from uag import kernels
+from uag.models import load_model
+from uag.runner import CachedLM
+from uag.speculative import TIE_BOUND
 
 pytestmark = pytest.mark.real
 
@@ -22,8 +26,35 @@ pytestmark = pytest.mark.real
 def test_lossless_on_nasty_prompts(real_pair, name):
     prompt = NASTY_PROMPTS[name]
     ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=16)
-    out = uag.generate(real_pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=16)
+    out = uag.generate(real_pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=16)
     assert out.token_ids == ref.token_ids, (out.text, ref.text)
+
+
+def _sample_ids(pair) -> list[int]:
+    text = "def mean(xs: list[float]) -> float:\n    return sum(xs) / len(xs)\n\n# 日本語 ✓ 😀\r\n"
+    return pair.target.tokenizer(text * 6)["input_ids"]
+
+
+@pytest.mark.skipif(not kernels.fast_kernels_available(), reason="oneDNN unavailable")
+def test_real_target_rows_are_bitwise_invariant(real_pair):
+    """A position's logits are the same bits whether it is verified among 2–9 positions or
+    computed alone as target-alone does: greedy UAG is lossless by construction here."""
+    assert real_pair.kernels == "onednn" and real_pair.target_lm.row_invariant
+    ids = _sample_ids(real_pair)
+    alone, chunked = one_row_vs_chunked_logits(real_pair.target_lm, ids[:40], ids[40:100])
+    assert torch.equal(alone, chunked)
+
+
+def test_plain_kernel_row_differences_are_far_under_the_guard_bound(real_pair):
+    """With non-invariant kernels the loop recomputes positions whose top-2 margin is under
+    TIE_BOUND; that is safe only while row-count differences stay far below it."""
+    plain = load_model("gemma-3-270m")
+    lm = CachedLM(plain.model, greedy_head=True)
+    assert not lm.row_invariant
+    ids = _sample_ids(real_pair)
+    alone, chunked = one_row_vs_chunked_logits(lm, ids[:40], ids[40:80])
+    diff = float((alone - chunked).abs().max())
+    assert 2 * diff < TIE_BOUND / 10, diff
 
 
 def test_lossless_with_chat_template(real_pair):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from uag.api import Pair, make_pair
@@ -31,6 +33,27 @@ def logits_after_crop_and_fresh(model, ids: list[int], rejected: list[int], next
     fresh = CachedLM(model)
     fresh.reset([*ids, next_id], rollback=False)
     return after, fresh.logits(fresh.forward()[-1:])
+
+
+def one_row_vs_chunked_logits(lm, prompt: list[int], tokens: list[int], seed: int = 0):
+    """Logits for every token fed one per forward (target-alone) and in random chunks of 1–9
+    (verification): a row-count-invariant forward makes them bitwise equal."""
+    lm.reset(prompt, rollback=False)
+    lm.forward()
+    alone = []
+    for tok in tokens:
+        lm.ids.append(tok)
+        alone.append(lm.greedy(lm.forward()[-1:]).logits[0])
+    rng = random.Random(seed)
+    lm.reset(prompt, rollback=True)
+    lm.forward()
+    chunked, i = [], 0
+    while i < len(tokens):
+        k = rng.randint(1, 9)
+        lm.ids.extend(tokens[i : i + k])
+        chunked.append(lm.greedy(lm.forward()).logits)
+        i += k
+    return torch.stack(alone), torch.cat(chunked)
 
 
 def tiny_gemma(vocab: int, *, seed: int = 0, sliding_window: int = 8):
@@ -86,18 +109,18 @@ def noisy_copy(model, *, scale: float, seed: int = 7):
     return clone
 
 
-def cross_pair(tokenizers) -> Pair:
+def cross_pair(tokenizers, *, kernels: str = "auto") -> Pair:
     """Tiny Gemma target ← tiny Llama assistant: different tokenizers, mostly rejections."""
     gemma_tok, smol_tok = tokenizers
     target = wrap_model(tiny_gemma(len(gemma_tok)), gemma_tok, ref="tiny-gemma")
     assistant = wrap_model(tiny_llama(len(smol_tok)), smol_tok, ref="tiny-llama")
-    return make_pair(target, assistant)
+    return make_pair(target, assistant, kernels=kernels)
 
 
-def same_tokenizer_pair(tokenizers, *, noise: float) -> Pair:
+def same_tokenizer_pair(tokenizers, *, noise: float, kernels: str = "auto") -> Pair:
     """Tiny Gemma target ← a noisy copy of itself: many acceptances, some rejections."""
     gemma_tok, _ = tokenizers
     model = tiny_gemma(len(gemma_tok))
     target = wrap_model(model, gemma_tok, ref="tiny-gemma")
     assistant = wrap_model(noisy_copy(model, scale=noise), gemma_tok, ref="tiny-gemma-noisy")
-    return make_pair(target, assistant)
+    return make_pair(target, assistant, kernels=kernels)

@@ -20,11 +20,17 @@ import torch
 from controllers.base import StopPolicy
 from uag.bridge import Bridge
 from uag.errors import UagError
+from uag.kernels import (
+    accelerate_target,
+    is_row_invariant,
+    pack_body_linears,
+    quantize_int8,
+    resolve_kernels,
+)
 from uag.models import (
     LoadedModel,
     check_reference,
     load_model,
-    quantize_int8,
     resolve_device,
     resolve_dtype,
 )
@@ -51,6 +57,7 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     assistant_int8: bool = False
+    kernels: str = "auto"
 
     def load_pair(self) -> Pair:
         return load_pair(
@@ -59,6 +66,7 @@ class RunConfig:
             device=self.device,
             dtype=self.dtype,
             assistant_int8=self.assistant_int8,
+            kernels=self.kernels,
         )
 
 
@@ -72,6 +80,8 @@ class Pair:
     target_lm: CachedLM = field(repr=False)
     assistant_lm: CachedLM = field(repr=False)
     assistant_int8: bool = False
+    kernels: str = "plain"
+    """Linear kernels the target runs on: ``onednn`` (packed, CPU fp32) or ``plain``."""
 
 
 @dataclass
@@ -164,23 +174,47 @@ def load_pair(
     device: str = "auto",
     dtype: str = "auto",
     assistant_int8: bool = False,
+    kernels: str = "auto",
 ) -> Pair:
     """Load both models and build the bridge (GGUF references are converted once, then cached)."""
     for ref in (target, assistant):
         check_reference(ref)
-    resolve_dtype(dtype, resolve_device(device))
+    dev = resolve_device(device)
+    resolve_kernels(kernels, dev, resolve_dtype(dtype, dev))  # refuse before loading anything
     tgt = load_model(target, device=device, dtype=dtype)
     ast = load_model(assistant, device=device, dtype=dtype)
     if assistant_int8:
         if ast.device.type != "cpu" or ast.dtype != torch.float32:
             raise UagError("--assistant-int8 needs the assistant on CPU in float32")
         ast.model = quantize_int8(ast.model)
-    return make_pair(tgt, ast, assistant_int8=assistant_int8)
+    return make_pair(tgt, ast, assistant_int8=assistant_int8, kernels=kernels)
 
 
-def make_pair(target: LoadedModel, assistant: LoadedModel, *, assistant_int8: bool = False) -> Pair:
-    """A pair from models already in memory (e.g. your own, or tiny ones in tests)."""
-    target_lm = CachedLM(target.model, greedy_head=True)
+def make_pair(
+    target: LoadedModel,
+    assistant: LoadedModel,
+    *,
+    assistant_int8: bool = False,
+    kernels: str = "auto",
+) -> Pair:
+    """A pair from models already in memory (e.g. your own, or tiny ones in tests).
+
+    With ``onednn`` kernels the models' linear layers are swapped in place for packed ones and
+    the target's attention runs row by row (``uag.kernels``): to time stock Transformers, load a
+    separate copy.
+    """
+    mode = resolve_kernels(kernels, target.device, target.dtype)
+    packed_head = None
+    if mode == "onednn":
+        packed_head = accelerate_target(target.model)
+        if resolve_kernels("auto", assistant.device, assistant.dtype) == "onednn":
+            pack_body_linears(assistant.model)  # an int8 assistant has no fp32 linears left
+    target_lm = CachedLM(
+        target.model,
+        greedy_head=True,
+        packed_head=packed_head,
+        row_invariant=mode == "onednn" and is_row_invariant(target.model),
+    )
     assistant_lm = CachedLM(assistant.model)
     bridge = Bridge.for_tokenizers(
         target=target.tokenizer,
@@ -188,7 +222,7 @@ def make_pair(target: LoadedModel, assistant: LoadedModel, *, assistant_int8: bo
         target_vocab=target_lm.vocab_size,
         assistant_vocab=assistant_lm.vocab_size,
     )
-    return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8)
+    return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, mode)
 
 
 def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:

@@ -14,7 +14,7 @@ import platform
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +228,9 @@ def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
         elif name == "learned":
             factory = _learned_factory(pair, cfg)
         elif name == "transformers":
-            arms[name] = _transformers_arm(pair, chat=cfg.chat)
+            # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
+            stock = pair if pair.kernels == "plain" else replace(cfg, kernels="plain").load_pair()
+            arms[name] = _transformers_arm(stock, chat=cfg.chat)
             continue
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")

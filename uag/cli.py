@@ -76,6 +76,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="int8 dynamic quantisation of the assistant's Linear layers (CPU): cheaper drafts, same output",
     )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "onednn", "plain"],
+        help="target linear kernels: auto (oneDNN packed on a float32 CPU: a verify of up to 8 "
+        "candidates costs about one step, bitwise equal per row), onednn, or plain (F.linear; "
+        "near-ties are then recomputed) (default: %(default)s)",
+    )
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -198,6 +206,7 @@ def run_generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
+        kernels=args.kernels,
     )
     if learned is not None:
         learned.warn_if_foreign(
@@ -364,6 +373,7 @@ def run_collect(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
+        kernels=args.kernels,
         reprofile=args.reprofile,
     )
     s = collect(cfg)
@@ -549,6 +559,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
+        kernels=args.kernels,
     )
     report = run_bench(cfg)
     write_report(report, args.out)

@@ -222,6 +222,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
             "target": cfg.target,
             "assistant": cfg.assistant,
             "assistant_int8": cfg.assistant_int8,
+            "kernels": pair.kernels,
             "prompt_source": cfg.prompts,
             "text_column": cfg.text_column,
             "chat": cfg.chat,

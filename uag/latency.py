@@ -107,3 +107,58 @@ def measure_profile(
 
         verify_s.append(_median_time(verify, repeats, target.device))
     return LatencyProfile(device=describe_device(target.device), draft_s=draft_s, verify_s=verify_s)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Median milliseconds of one target forward over ``rows`` positions, split body / head."""
+
+    rows: int
+    body_ms: float
+    head_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.body_ms + self.head_ms
+
+
+def measure_verify_costs(
+    target: CachedLM, *, max_rows: int = 9, context: int = 110, repeats: int = 7
+) -> list[VerifyCost]:
+    """Body and greedy-head cost of a forward over 1..``max_rows`` positions at ``context`` tokens.
+
+    What a verify of ``rows - 1`` candidates costs; a memory-bound forward costs about the same
+    for every row count here. Medians of ``repeats`` after one warm-up each.
+    """
+    ids = list(range(1000, 1000 + context))
+    target.reset(ids, rollback=True)
+    target.forward()
+    costs = []
+    for rows in range(1, max_rows + 1):
+        body, head = [], []
+        for i in range(repeats + 1):
+            target.ids.extend(range(2000, 2000 + rows))
+            t0 = time.perf_counter()
+            hidden = target.forward()
+            _sync(target.device)
+            t1 = time.perf_counter()
+            target.greedy(hidden)
+            _sync(target.device)
+            t2 = time.perf_counter()
+            target.truncate(context)
+            if i > 0:
+                body.append(t1 - t0)
+                head.append(t2 - t1)
+        costs.append(
+            VerifyCost(
+                rows=rows,
+                body_ms=statistics.median(body) * 1e3,
+                head_ms=statistics.median(head) * 1e3,
+            )
+        )
+    return costs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

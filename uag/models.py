@@ -267,14 +267,3 @@ def wrap_model(model: Any, tokenizer: Any, *, ref: str) -> LoadedModel:
         device=param.device,
         dtype=param.dtype,
     )
-
-
-def quantize_int8(model: Any) -> Any:
-    """Dynamic int8 quantisation of the Linear layers (CPU only): a cheaper assistant.
-
-    Only the target decides the output, so a less exact assistant never changes what is generated;
-    it can only change how many drafted tokens are accepted.
-    """
-    from torch.ao.quantization import quantize_dynamic
-
-    return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)

@@ -14,16 +14,20 @@ from typing import Any
 
 import torch
 
-HEAD_CHUNK = 2048
-"""Vocabulary entries per matrix product when several positions share the head pass."""
-HEAD_GROUP = 3
-"""Positions per matrix product in the CPU greedy head (see ``GreedyHead``)."""
+from uag.kernels import PackedLinear
 
 
 class CachedLM:
     """One model's running sequence: ids, KV cache, and the two heads."""
 
-    def __init__(self, model: Any, *, greedy_head: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        greedy_head: bool = False,
+        packed_head: PackedLinear | None = None,
+        row_invariant: bool = False,
+    ) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -31,11 +35,16 @@ class CachedLM:
         self.body = model.base_model
         self.head = model.get_output_embeddings()
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
-        weight = self.head.weight
-        weight = weight() if callable(weight) else weight  # int8-quantised Linear: a method
-        self.device = weight.device
-        self.vocab_size = int(weight.shape[0])
-        self._greedy = GreedyHead(weight, self.head.bias) if greedy_head else None
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(self.head.out_features)
+        self._greedy = (
+            GreedyHead(self.head.weight, self.head.bias, packed=packed_head)
+            if greedy_head
+            else None
+        )
+        self.row_invariant = row_invariant
+        """A position's logits do not depend on how many positions share the forward (bitwise),
+        for forwards of up to ``ROWWISE_MAX_ROWS`` rows; otherwise verification guards near-ties."""
         self.ids: list[int] = []
         self.cached = 0
         self.cache: Any = None
@@ -81,7 +90,7 @@ class CachedLM:
         """Argmax token after each row of ``hidden`` ``[n, hidden]`` (statistics on demand)."""
         if self._greedy is None:
             logits = self.logits(hidden)
-            return HeadOutput(logits.argmax(dim=-1).tolist(), [logits])
+            return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
         return self._greedy(hidden)
 
     @torch.inference_mode()
@@ -94,58 +103,33 @@ class CachedLM:
 
 
 class GreedyHead:
-    """Argmax of the LM head per position, without materialising what greedy decoding ignores.
+    """Argmax of the LM head per position, for target-alone decoding and verification alike.
 
-    Why: Gemma's 262,144 × 640 head is more than half of a CPU step, and on this CPU MKL's
-    ``F.linear`` with the row-major weight costs ~60 ms for one position and almost a full pass
-    more per extra position. The same product against the transposed weight ([hidden, vocab]) runs
-    at memory speed (~35 ms) for 1–3 positions but falls off a cliff at 4 and 8, so positions go
-    in groups of at most ``HEAD_GROUP``.
-    Soft-capping is monotonic and cannot move the argmax, so it is skipped. Target-alone decoding
-    and verification both use this head, so they see the same numbers.
-    On CUDA a plain ``F.linear`` + argmax is already bandwidth-bound and is used as is.
+    Why one head for both: target-alone decoding is the reference, so verification must compute
+    each position's logits the same way. On CPU with float32 weights the product runs through
+    oneDNN's packed weight (``uag.kernels.PackedLinear``), which costs about the same for 1–9
+    rows; elsewhere (CUDA, other dtypes, or ``--kernels plain``) a plain ``F.linear`` is used,
+    which is bandwidth-bound on a GPU already. Soft-capping is monotonic and cannot move the
+    argmax, so it is skipped.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, packed: PackedLinear | None
+    ) -> None:
         self.weight = weight
         self.bias = bias
-        # A transposed copy (+1x head memory) only where it pays: the CPU path.
-        self.weight_t = weight.detach().T.contiguous() if weight.device.type == "cpu" else None
+        self.packed = packed
 
     def __call__(self, hidden: torch.Tensor) -> HeadOutput:
-        """``hidden``: [n, h] → argmax ids [n], keeping the logits for ``HeadOutput.stats``."""
-        if self.weight_t is None:
-            logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
-            return HeadOutput(logits.argmax(dim=-1).tolist(), [logits])
-        hidden = hidden.to(self.weight_t.dtype)
-        groups = [
-            self._group(hidden[i : i + HEAD_GROUP]) for i in range(0, hidden.shape[0], HEAD_GROUP)
-        ]
-        return HeadOutput([t for ids, _ in groups for t in ids], [blocks for _, blocks in groups])
-
-    def _group(self, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Argmax ids of up to ``HEAD_GROUP`` rows and their logits ``[g, V]``."""
-        wt = self.weight_t
-        assert wt is not None
-        if x.shape[0] == 1:  # one position: a plain vector-matrix product is the fastest path
-            logits = torch.mm(x, wt)
-            if self.bias is not None:
-                logits += self.bias
-            return logits.argmax(dim=-1).tolist(), logits
-        vals, idxs, blocks = [], [], []
-        for start in range(0, wt.shape[1], HEAD_CHUNK):
-            block = torch.mm(x, wt[:, start : start + HEAD_CHUNK])  # [g, C]
-            if self.bias is not None:
-                block += self.bias[start : start + HEAD_CHUNK]
-            v, i = block.max(dim=-1)  # first maximum within the chunk
-            vals.append(v)
-            idxs.append(i + start)
-            blocks.append(block)
-        vals_t, idxs_t = torch.stack(vals, dim=1), torch.stack(idxs, dim=1)  # [g, chunks]
-        # argmax takes the first chunk holding the maximum: ties go to the lowest id, as a plain
-        # argmax over the whole row does.
-        ids = idxs_t.gather(1, vals_t.argmax(dim=1, keepdim=True))[:, 0].tolist()
-        return ids, torch.cat(blocks, dim=1)
+        """``hidden``: [n, h] → argmax ids [n], keeping the logits for statistics and margins."""
+        if self.packed is not None:
+            logits = self.packed(hidden.float())  # [n, V]
+        else:
+            logits = torch.nn.functional.linear(
+                hidden.to(self.weight.dtype), self.weight, self.bias
+            )
+        # argmax takes the first maximum: ties go to the lowest id, on every path.
+        return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
 
 
 @dataclass
@@ -153,8 +137,8 @@ class HeadOutput:
     """Greedy head result: argmax id per position, and the logits to derive statistics from."""
 
     ids: list[int]
-    logits: list[torch.Tensor] = field(default_factory=list, repr=False)
-    """Logits in groups of rows (``[g, V]`` each), in position order."""
+    logits: torch.Tensor = field(repr=False)
+    """``[n, V]``: the head's logits for the rows it was given (soft-capping not applied)."""
 
     def stats(self, row: int) -> tuple[float, float]:
         """Probability of the argmax token at ``row`` and the entropy (nats) of that distribution.
@@ -162,10 +146,10 @@ class HeadOutput:
         Computed for one row on demand (about a millisecond), since only the row of the last
         emitted token is ever needed and which row that is depends on verification.
         """
-        offset = 0
-        for group in self.logits:
-            if row < offset + group.shape[0]:
-                logp = torch.log_softmax(group[row - offset].float(), dim=-1)
-                return float(logp.max().exp()), float(-(logp.exp() * logp).sum())
-            offset += group.shape[0]
-        raise IndexError(row)
+        logp = torch.log_softmax(self.logits[row].float(), dim=-1)
+        return float(logp.max().exp()), float(-(logp.exp() * logp).sum())
+
+    def margin(self, row: int) -> float:
+        """Top-1 minus top-2 logit at ``row``: how far the argmax is from flipping."""
+        top = torch.topk(self.logits[row].float(), 2).values
+        return float(top[0] - top[1])

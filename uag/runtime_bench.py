@@ -1,6 +1,7 @@
 """Runtime benchmark: uag against Transformers on the same pair, prompts and machine, in one run.
 
     python -m uag.runtime_bench [--tasks 100-103] [--max-new-tokens 64] [--lookahead 3]
+    python -m uag.runtime_bench --verify-table [--kernels plain]
 
 Arms, interleaved prompt by prompt so machine drift hits them alike (one warm-up run per arm
 first, not timed):
@@ -10,10 +11,14 @@ first, not timed):
 * ``hf-uag``: Transformers' UAG, ``generate(assistant_model=, tokenizer=, assistant_tokenizer=)``
   with the same constant lookahead and no confidence cut-off;
 * ``uag-static``: uag's UAG with the same static lookahead;
-* ``uag-static-int8``: the same with an int8-quantised assistant.
+* ``uag-static-int8``: the same with an int8 assistant.
 
-Reports time ratios against ``hf-target`` (not absolute times), whether each arm's tokens equal
-``uag-target``'s, and where uag's UAG time goes.
+Transformers' arms run on a separately loaded, unmodified copy of each model (uag swaps its
+copies' linear layers for packed kernels). Reports time ratios against ``hf-target`` (not
+absolute times), whether each arm's tokens equal ``uag-target``'s, and where uag's UAG time goes.
+
+``--verify-table`` prints what one target forward over 1–9 positions costs with the current
+kernels (body, head, total, ratio to one row): the price of verifying 0–8 candidates.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from controllers.base import StopPolicy
 from controllers.rules import StaticPolicy
 from uag.api import Pair, make_pair
 from uag.bench import transformers_generate
-from uag.models import quantize_int8
+from uag.kernels import KERNEL_CHOICES, quantize_int8
 
 
 @dataclass
@@ -58,25 +63,26 @@ def humaneval_prompts(spec: str) -> list[str]:
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(int(lo), int(hi or lo) + 1)]
 
 
-def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
+def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[str, object]:
     torch.manual_seed(0)
-    pair = uag.load_pair()
+    stock = uag.load_pair(kernels="plain")  # Transformers' arms: the models as loaded
+    pair = uag.load_pair(kernels=kernels)
     int8_assistant = copy.copy(pair.assistant)
-    int8_assistant.model = quantize_int8(copy.deepcopy(pair.assistant.model))
-    int8_pair = make_pair(pair.target, int8_assistant, assistant_int8=True)
-    assistant_model = pair.assistant.model
+    int8_assistant.model = quantize_int8(copy.deepcopy(stock.assistant.model))
+    int8_pair = make_pair(pair.target, int8_assistant, assistant_int8=True, kernels=kernels)
+    assistant_model = stock.assistant.model
     assistant_model.generation_config.num_assistant_tokens = lookahead
     assistant_model.generation_config.num_assistant_tokens_schedule = "constant"
     assistant_model.generation_config.assistant_confidence_threshold = 0.0
 
     def hf_uag(prompt: str) -> list[int]:
-        return transformers_generate(pair, prompt, max_new_tokens, assisted=True)
+        return transformers_generate(stock, prompt, max_new_tokens, assisted=True)
 
     def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], uag.GenerationResult]:
         return lambda prompt: uag.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
 
     arms: dict[str, Callable[[str], list[int] | uag.GenerationResult]] = {
-        "hf-target": lambda prompt: transformers_generate(pair, prompt, max_new_tokens),
+        "hf-target": lambda prompt: transformers_generate(stock, prompt, max_new_tokens),
         "uag-target": uag_arm(pair, None),
         "hf-uag": hf_uag,
         "uag-static": uag_arm(pair, StaticPolicy(k=lookahead)),
@@ -122,6 +128,7 @@ def run(tasks: str, max_new_tokens: int, lookahead: int) -> dict[str, object]:
         "tasks": tasks,
         "max_new_tokens": max_new_tokens,
         "lookahead": lookahead,
+        "kernels": pair.kernels,
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "arms": rows,
     }
@@ -141,6 +148,28 @@ def to_markdown(report: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def verify_table(kernels: str, repeats: int) -> str:
+    """The verify-cost table for the current build, as Markdown."""
+    from uag.api import load_pair
+    from uag.latency import measure_verify_costs
+
+    pair = load_pair(kernels=kernels)
+    costs = measure_verify_costs(pair.target_lm, repeats=repeats)
+    one = costs[0].total_ms
+    lines = [
+        f"kernels: {pair.kernels} (row-count invariant: {pair.target_lm.row_invariant}); "
+        f"medians of {repeats}, 110-token context",
+        "",
+        "| rows in the forward | body ms | head ms | total ms | total ÷ 1 row |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c.rows} | {c.body_ms:.1f} | {c.head_ms:.1f} | {c.total_ms:.1f} | {c.total_ms / one:.2f} |"
+        for c in costs
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -148,11 +177,24 @@ def main() -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--lookahead", type=int, default=3)
+    parser.add_argument(
+        "--kernels", default="auto", choices=KERNEL_CHOICES, help="uag's target kernels"
+    )
+    parser.add_argument(
+        "--verify-table", action="store_true", help="print the verify-cost table and exit"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="repeats per row count (table)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     args = parser.parse_args()
-    report = run(args.tasks, args.max_new_tokens, args.lookahead)
+    if args.verify_table:
+        print(verify_table(args.kernels, args.repeats))
+        return
+    report = run(args.tasks, args.max_new_tokens, args.lookahead, args.kernels)
     print(to_markdown(report))
-    print(f"machine: {report['machine']}; {args.max_new_tokens} new tokens, HumanEval {args.tasks}")
+    print(
+        f"machine: {report['machine']}; kernels {report['kernels']}; "
+        f"{args.max_new_tokens} new tokens, HumanEval {args.tasks}"
+    )
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -14,6 +14,14 @@ One iteration:
    makes progress and the output is exactly what the target alone would produce;
 5. *resync*: the assistant keeps the drafted tokens whose text lies inside the accepted text
    (these are the "accepted" labels) and drops the rest, cropping both KV caches.
+
+Equal to target-alone *by construction*, not by luck: a position's logits must not depend on how
+many positions share the target forward. The first round prefills the prompt alone (the call
+target-alone makes), and every later forward has at most ``ROWWISE_MAX_ROWS`` rows. With the
+row-count-invariant kernels of ``uag.kernels`` (CPU) that is enough: bitwise equal. With other
+kernels (CUDA, ``--kernels plain``) a row may round differently by up to ~1e-4 in a logit, so a
+verified position whose top-2 margin is under ``TIE_BOUND`` is recomputed alone, as
+target-alone computes it.
 """
 
 from __future__ import annotations
@@ -29,9 +37,16 @@ import torch
 
 from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
 from uag.bridge import Bridge, ends_on_char_boundary
-from uag.runner import CachedLM
+from uag.kernels import ROWWISE_MAX_ROWS
+from uag.runner import CachedLM, HeadOutput
 
 StopReason = Literal["eos", "max_new_tokens"]
+TIE_BOUND = 4e-3
+"""Logit margin under which a verified position is recomputed alone (non-invariant kernels).
+Row-count differences measured on the real target: ≤ 9e-5 per logit end to end (MKL and oneDNN
+linears, fused attention), so a flip needs a margin under ~2e-4; this bound is 20x that."""
+MAX_CANDIDATES = ROWWISE_MAX_ROWS - 1
+"""Candidates per verify, so a verify never leaves the row-count range kernels are checked on."""
 OnTokens = Callable[[list[int]], None]
 
 
@@ -54,6 +69,8 @@ class IterationRecord:
     bridge_s: float
     policy_s: float
     steps: tuple[DraftStep, ...] = field(default=(), repr=False)
+    recomputed: int = 0
+    """Verified positions recomputed alone because of a near-tie (non-invariant kernels only)."""
 
 
 @dataclass
@@ -157,7 +174,24 @@ def _candidates(
     ids, _ = bridge.target.continuation(
         tail=bridge.tail(bridge.target, target.ids), new=bytes(assistant_text[len(text) :])
     )
-    return ids[: room - 1]
+    return ids[: min(room - 1, MAX_CANDIDATES)]
+
+
+def _first_near_tie(head: HeadOutput, *, upto: int) -> int | None:
+    """The first head row in ``0..upto`` whose top-2 logit margin is under ``TIE_BOUND``."""
+    return next((row for row in range(upto + 1) if head.margin(row) < TIE_BOUND), None)
+
+
+def _recompute_alone(target: CachedLM, *, row: int, base: int) -> HeadOutput:
+    """The target's choice after verified row ``row``, computed in a one-row forward.
+
+    ``base`` is ``len(target.ids)`` before the candidates were appended, so row ``row`` fed id
+    ``base - 1 + row``. The cache keeps everything before it; the id is fed again alone.
+    """
+    fed = target.ids[base - 1 + row]
+    target.truncate(base - 1 + row)
+    target.ids.append(fed)
+    return target.greedy(target.forward()[-1:])
 
 
 def speculative_generate(
@@ -215,7 +249,8 @@ def speculative_generate(
             target_entropy=target_entropy,
         )
         t0 = clock()
-        budget = policy.budget(ctx) if text_complete and room > 1 else 0
+        # The first round prefills the prompt alone, exactly as target-alone does.
+        budget = policy.budget(ctx) if text_complete and room > 1 and target.cached else 0
         policy_s = clock() - t0
         if assistant.cached == len(assistant.ids):
             budget = 0  # nothing new to feed: no fresh logits to draft from (rare)
@@ -276,6 +311,13 @@ def speculative_generate(
         accepted = 0
         while accepted < len(candidates) and candidates[accepted] == preds[accepted]:
             accepted += 1
+        alone: HeadOutput | None = None  # the tied row's choice, recomputed in a one-row forward
+        if candidates and not target.row_invariant:
+            tie = _first_near_tie(head, upto=accepted)
+            if tie is not None:  # the candidates before it stand; its choice is recomputed
+                accepted = tie
+                alone = _recompute_alone(target, row=tie, base=base)
+                preds = [*preds[:tie], alone.ids[0]]
         emitted, hit_eos = _clip(
             candidates[:accepted] + [preds[accepted]], eos_ids=target_eos, room=room
         )
@@ -283,7 +325,11 @@ def speculative_generate(
         target.truncate(base + in_cache)
         target.ids.extend(emitted[in_cache:])
         if rich:  # the target's view of the last token it emitted: a feature for the next round
-            target_prob, target_entropy = head.stats(len(emitted) - 1)
+            last = len(emitted) - 1  # head row that chose the last emitted token
+            if alone is not None and last == accepted:
+                target_prob, target_entropy = alone.stats(0)
+            else:
+                target_prob, target_entropy = head.stats(last)
         verify_s = clock() - t0
         text += bridge.target.bytes_of(emitted)
         if on_tokens:
@@ -316,6 +362,7 @@ def speculative_generate(
                 bridge_s=bridge_s,
                 policy_s=policy_s,
                 steps=tuple(steps) if keep_steps else (),
+                recomputed=int(alone is not None),
             )
         )
         if hit_eos:

@@ -1,0 +1,131 @@
+"""Fast kernels: same numbers as F.linear, row-count invariance, the fallback, and the near-tie guard."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import uag
+from controllers.rules import StaticPolicy
+from tests.tiny import cross_pair, one_row_vs_chunked_logits, same_tokenizer_pair
+from uag import kernels
+from uag.errors import UagError
+from uag.runner import HeadOutput
+from uag.speculative import TIE_BOUND
+
+needs_onednn = pytest.mark.skipif(
+    not kernels.fast_kernels_available(), reason="oneDNN packed linear unavailable here"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(48, 40), (1024, 640), (640, 2048), (3, 7)])
+def test_packed_linear_matches_f_linear(shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(shape[1], shape[0])
+    packed = kernels.PackedLinear(linear)
+    x = torch.randn(2, 5, shape[1])
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-4, atol=1e-5)
+    assert packed.invariance in ("invariant", "pad-single-row")
+
+
+@needs_onednn
+def test_packed_single_row_padding_is_bitwise_like_a_larger_call():
+    torch.manual_seed(0)
+    layer = kernels.PackedLinear(nn.Linear(64, 96))
+    layer.invariance = "pad-single-row"  # force the padded path: must equal row 0 of 2..16 rows
+    x = torch.randn(16, 64)
+    full = layer(x)
+    assert torch.equal(layer(x[:1]), full[:1])
+
+
+@needs_onednn
+def test_tiny_target_is_row_invariant_bitwise(tokenizers):
+    pair = cross_pair(tokenizers)
+    assert pair.kernels == "onednn" and pair.target_lm.row_invariant
+    ids = pair.target.tokenizer("def f(x):\n    return x * 2\n")["input_ids"]
+    alone, chunked = one_row_vs_chunked_logits(pair.target_lm, ids[:5], ids[5:] * 3)
+    assert torch.equal(alone, chunked)
+
+
+def test_plain_kernels_are_not_claimed_invariant(tokenizers):
+    pair = cross_pair(tokenizers, kernels="plain")
+    assert pair.kernels == "plain" and not pair.target_lm.row_invariant
+    for prompt in ("def f(x):\n    return", "Hello 😀 你好\r\n"):
+        ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
+        out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=24)
+        assert out.token_ids == ref.token_ids
+
+
+def test_onednn_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setenv("UAG_KERNELS", "plain")
+    kernels.fast_kernels_available.cache_clear()
+    try:
+        assert kernels.resolve_kernels("auto", torch.device("cpu"), torch.float32) == "plain"
+        with pytest.raises(UagError, match="--kernels onednn needs"):
+            kernels.resolve_kernels("onednn", torch.device("cpu"), torch.float32)
+    finally:
+        monkeypatch.delenv("UAG_KERNELS")
+        kernels.fast_kernels_available.cache_clear()
+    with pytest.raises(UagError, match="unknown kernels"):
+        kernels.resolve_kernels("fast", torch.device("cpu"), torch.float32)
+    assert kernels.resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "plain"
+
+
+@pytest.mark.parametrize("backend", ["fbgemm", "int8pack"])
+def test_int8_assistant_close_and_silent(backend):
+    if backend == "fbgemm" and kernels.int8_backend() != "fbgemm":
+        pytest.skip("fbgemm's quantised ops are not in this torch build")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+    x = torch.randn(3, 64)
+    ref = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecation warning here fails the test
+        quantised = kernels.quantize_int8(model, backend=backend)
+        out = quantised(x)
+    assert not any(type(m) is nn.Linear for m in quantised.modules())
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+class _RowCountDependentHead:
+    """A greedy head that rounds differently with the row count, as some kernels do.
+
+    Token ``loser`` is made to tie token ``winner`` within 1e-3 (under ``TIE_BOUND``): alone, a
+    row picks ``winner``; among several rows it picks ``loser``. Without the guard, verification
+    would emit ``loser`` where target-alone emits ``winner``.
+    """
+
+    def __init__(self, inner, *, winner: int, loser: int) -> None:
+        self.inner, self.winner, self.loser = inner, winner, loser
+
+    def __call__(self, hidden: torch.Tensor) -> HeadOutput:
+        logits = self.inner(hidden).logits.clone()
+        nudge = 1e-3 if hidden.shape[0] > 1 else -1e-3
+        logits[:, self.loser] = logits[:, self.winner] + nudge
+        return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
+
+
+def test_guard_recomputes_forced_near_ties(tokenizers):
+    assert TIE_BOUND > 1e-3
+    pair = same_tokenizer_pair(tokenizers, noise=0.02, kernels="plain")
+    prompt = "def f(x):\n    return"
+    plain = uag.generate(pair, prompt, policy=None, max_new_tokens=40)
+    later = plain.token_ids[1:]  # the first token comes from the prefill, multi-row in both modes
+    winner = max(set(later), key=later.count)  # an often-chosen token
+    loser = (winner + 1) % pair.target_lm.vocab_size
+    lm = pair.target_lm
+    lm._greedy = _RowCountDependentHead(lm._greedy, winner=winner, loser=loser)
+    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=40)
+    assert winner in ref.token_ids[1:]
+
+    guarded = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40)
+    assert guarded.token_ids == ref.token_ids
+    assert sum(r.recomputed for r in guarded.iterations) > 0
+
+    lm.row_invariant = True  # claim invariance falsely: the guard is off, and the output breaks
+    unguarded = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40)
+    assert unguarded.token_ids != ref.token_ids
