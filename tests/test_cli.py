@@ -32,6 +32,7 @@ def test_generate_help_explains_flags(capsys):
         "--compare-target-only",
         "--json",
         "--assistant-int8",
+        "--kernels",
     ):
         assert flag in out
 
@@ -50,6 +51,13 @@ def test_generate_help_explains_flags(capsys):
 def test_bad_input_is_one_line(capsys, argv, message):
     assert main(argv) == 2
     assert message in one_clean_line(capsys)
+
+
+def test_unknown_kernels_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "x", "--kernels", "fast"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'fast'" in one_clean_line(capsys)
 
 
 def test_empty_prompt_file(tmp_path, capsys):

@@ -6,6 +6,8 @@ A plain function the CLI wraps (tests call it directly with tiny data).
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,6 +125,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
         net, pos_weight=(len(train_set.labels) - positives) / positives, lr=cfg.lr, val_data=val_set
     )
     logger = TensorBoardLogger(save_dir=str(cfg.logdir), name="controller", default_hp_metric=False)
+    # Lightning's start-up chatter (accelerator lines, an advert) and a deprecation warning from
+    # its own pytree helper are not the user's business; real warnings still show.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer = L.Trainer(
         max_epochs=cfg.max_epochs,
         accelerator=cfg.accelerator,
@@ -136,7 +141,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
         deterministic=True,
         log_every_n_steps=1,
     )
-    trainer.fit(module, datamodule=dm)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+        trainer.fit(module, datamodule=dm)
 
     net = net.cpu()
     scores = predict(net, val_set.features)

@@ -200,17 +200,58 @@ def pack_body_linears(model: Any) -> int:
     return _swap_linears(model, PackedLinear, {id(head)})
 
 
-def packed_head_for(model: Any) -> PackedLinear:
+HEAD_CHUNK_ROWS = 32768
+"""Vocabulary rows per packed block of the head: packing block by block, with each block's
+source pages released at once, keeps the transient peak at one block instead of a whole head."""
+
+
+class PackedHead(nn.Module):
+    """An LM head packed for oneDNN in blocks of vocabulary rows; logits ``[n, V]`` in one call.
+
+    Each block is an independent product, so a row's logits stay independent of the row count
+    exactly as with one ``PackedLinear``.
+    """
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        weight = head.weight.detach()
+        bias = None if head.bias is None else head.bias.detach()
+        self.out_features = int(weight.shape[0])
+        self.blocks = nn.ModuleList()
+        kinds: set[Invariance] = set()
+        for start in range(0, self.out_features, HEAD_CHUNK_ROWS):
+            rows = min(HEAD_CHUNK_ROWS, self.out_features - start)
+            part = nn.Linear(weight.shape[1], rows, bias=bias is not None, device="meta")
+            part.weight = nn.Parameter(weight[start : start + HEAD_CHUNK_ROWS], requires_grad=False)
+            part.bias = (
+                None if bias is None else nn.Parameter(bias[start : start + HEAD_CHUNK_ROWS])
+            )
+            block = PackedLinear(part)
+            self.blocks.append(block)
+            kinds.add(block.invariance)
+            release_pages(part.weight.detach())  # a tied embedding faults rows back in on lookup
+        self.invariance: Invariance = (
+            "variant"
+            if "variant" in kinds
+            else ("pad-single-row" if "pad-single-row" in kinds else "invariant")
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[n, h]`` → logits ``[n, V]``."""
+        if len(self.blocks) == 1:
+            return self.blocks[0](hidden)
+        return torch.cat([block(hidden) for block in self.blocks], dim=-1)
+
+
+def packed_head_for(model: Any) -> PackedHead:
     """The model's LM head packed for oneDNN, built once per model and kept beside it.
 
     A tied head (Gemma) keeps its embedding for lookups, so this is one extra copy of the head
-    (Gemma: 671 MB); it replaces the transposed copy the previous head path needed.
+    (Gemma: 671 MB); it replaces the transposed copy the previous head needed.
     """
     head = getattr(model, "_uag_packed_head", None)
     if head is None:
-        out = model.get_output_embeddings()
-        head = PackedLinear(out)
-        release_pages(out.weight.detach())  # a tied embedding faults rows back in as it needs them
+        head = PackedHead(model.get_output_embeddings())
         model._uag_packed_head = head
     return head
 
@@ -220,7 +261,7 @@ def is_row_invariant(model: Any) -> bool:
     row count (1..``ROWWISE_MAX_ROWS``) and attention runs row by row."""
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     head = getattr(model, "_uag_packed_head", None)
-    packed = [m for m in [*linears, head] if isinstance(m, PackedLinear)]
+    packed = [m for m in [*linears, head] if isinstance(m, (PackedLinear, PackedHead))]
     return (
         model.config._attn_implementation == ROWWISE_ATTENTION
         and all(not isinstance(m, nn.Linear) or m is model.get_output_embeddings() for m in linears)
@@ -303,7 +344,7 @@ def use_rowwise_attention(model: Any) -> None:
     model.set_attn_implementation(ROWWISE_ATTENTION)
 
 
-def accelerate_target(model: Any) -> PackedLinear:
+def accelerate_target(model: Any) -> PackedHead:
     """Pack the target's linears and head, make attention row-wise; return the packed head."""
     pack_body_linears(model)
     use_rowwise_attention(model)
@@ -328,6 +369,13 @@ def int8_backend() -> str:
         return "int8pack"
 
 
+def _symmetric_int8(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight rounded to int8 with one scale per output channel (symmetric): ``(q, scales)``."""
+    weight = linear.weight.detach().float()
+    scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
 def _quiet_per_channel_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     with warnings.catch_warnings():
         # torch warns that quantised tensors are deprecated; int8_backend() has the fallback.
@@ -344,7 +392,7 @@ class _FbgemmLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # as _symmetric_int8's
         qweight = _quiet_per_channel_int8(weight, scales)
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
@@ -363,13 +411,10 @@ class _Int8PackLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+        qweight, scales = _symmetric_int8(linear)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer(
-            "qweight", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        )
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.bias = linear.bias
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from uag.kernels import PackedLinear
+from uag.kernels import PackedHead
 
 
 class CachedLM:
@@ -25,7 +25,7 @@ class CachedLM:
         model: Any,
         *,
         greedy_head: bool = False,
-        packed_head: PackedLinear | None = None,
+        packed_head: PackedHead | None = None,
         row_invariant: bool = False,
     ) -> None:
         from transformers import DynamicCache
@@ -107,14 +107,14 @@ class GreedyHead:
 
     Why one head for both: target-alone decoding is the reference, so verification must compute
     each position's logits the same way. On CPU with float32 weights the product runs through
-    oneDNN's packed weight (``uag.kernels.PackedLinear``), which costs about the same for 1–9
+    oneDNN's packed weight (``uag.kernels.PackedHead``), which costs about the same for 1–9
     rows; elsewhere (CUDA, other dtypes, or ``--kernels plain``) a plain ``F.linear`` is used,
     which is bandwidth-bound on a GPU already. Soft-capping is monotonic and cannot move the
     argmax, so it is skipped.
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, packed: PackedLinear | None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, packed: PackedHead | None
     ) -> None:
         self.weight = weight
         self.bias = bias
