@@ -126,7 +126,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().float(), None)
-        self.bias = linear.bias
+        self.bias = None if linear.bias is None else linear.bias.detach()
         self.invariance: Invariance = _shape_invariance(
             self.packed, self.out_features, self.in_features
         )
@@ -135,11 +135,10 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # [n, in]
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        bias = None if self.bias is None else self.bias.detach()
         if rows.shape[0] == 1 and self.invariance == "pad-single-row":
-            y = _onednn_linear(rows.expand(2, -1).contiguous(), self.packed, bias)[:1]
+            y = _onednn_linear(rows.expand(2, -1).contiguous(), self.packed, self.bias)[:1]
         else:
-            y = _onednn_linear(rows, self.packed, bias)
+            y = _onednn_linear(rows, self.packed, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

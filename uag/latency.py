@@ -64,15 +64,19 @@ def describe_device(device: torch.device) -> str:
     return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer measures the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _median_time(fn: Any, repeats: int, device: torch.device) -> float:
     times = []
     for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         if i > 0:  # the first call is a warm-up
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -158,7 +162,3 @@ def measure_verify_costs(
         )
     return costs
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
