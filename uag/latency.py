@@ -161,4 +161,3 @@ def measure_verify_costs(
             )
         )
     return costs
-
