@@ -11,7 +11,7 @@ from torch import nn
 import uag
 from controllers.rules import StaticPolicy
 from tests.tiny import cross_pair, one_row_vs_chunked_logits, same_tokenizer_pair
-from uag import kernels
+from uag import kernels, native
 from uag.errors import UagError
 from uag.runner import HeadOutput
 from uag.speculative import TIE_BOUND
@@ -19,6 +19,13 @@ from uag.speculative import TIE_BOUND
 needs_onednn = pytest.mark.skipif(
     not kernels.fast_kernels_available(), reason="oneDNN packed linear unavailable here"
 )
+needs_native = pytest.mark.skipif(
+    native.native_unavailable() is not None, reason=f"native kernel: {native.native_unavailable()}"
+)
+FAST_MODES = [
+    pytest.param("native", marks=needs_native),
+    pytest.param("onednn", marks=needs_onednn),
+]
 
 
 @needs_onednn
@@ -42,10 +49,10 @@ def test_packed_single_row_padding_is_bitwise_like_a_larger_call():
     assert torch.equal(layer(x[:1]), full[:1])
 
 
-@needs_onednn
-def test_tiny_target_is_row_invariant_bitwise(tokenizers):
-    pair = cross_pair(tokenizers)
-    assert pair.kernels == "onednn" and pair.target_lm.row_invariant
+@pytest.mark.parametrize("mode", FAST_MODES)
+def test_tiny_target_is_row_invariant_bitwise(tokenizers, mode):
+    pair = cross_pair(tokenizers, kernels=mode)
+    assert pair.kernels == mode and pair.target_lm.row_invariant
     ids = pair.target.tokenizer("def f(x):\n    return x * 2\n")["input_ids"]
     alone, chunked = one_row_vs_chunked_logits(pair.target_lm, ids[:5], ids[5:] * 3)
     assert torch.equal(alone, chunked)
@@ -60,9 +67,58 @@ def test_plain_kernels_are_not_claimed_invariant(tokenizers):
         assert out.token_ids == ref.token_ids
 
 
+@needs_native
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("shape", [(48, 40), (1024, 640), (640, 2048), (3, 7), (261, 67)])
+def test_native_linear_matches_f_linear_and_is_row_invariant(shape, int8):
+    torch.manual_seed(0)
+    linear = nn.Linear(shape[1], shape[0])
+    layer = native.NativeLinear(linear, int8=int8)
+    x = torch.randn(2, 9, shape[1])
+    out = layer(x)
+    ref = torch.nn.functional.linear(x, layer.dequantized(), linear.bias)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    if not int8:
+        torch.testing.assert_close(out, linear(x), rtol=1e-4, atol=1e-4)
+    rows = x.reshape(-1, shape[1])
+    full = layer(rows)
+    for start in range(rows.shape[0]):
+        for count in (1, 2, 3, 5, 16):
+            part = rows[start : start + count]
+            assert torch.equal(layer(part), full[start : start + count])
+    assert torch.equal(layer(rows[::2]), full[::2])  # a strided input is made contiguous first
+
+
+@needs_native
+def test_native_int8_rounds_like_symmetric_per_channel():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 12, bias=False)
+    layer = native.NativeLinear(linear, int8=True)
+    q, scales = native.symmetric_int8(linear.weight.detach())
+    torch.testing.assert_close(layer.dequantized(), q.float() * scales[:, None])
+    assert (layer.dequantized() - linear.weight).abs().max() <= scales.max() / 2 + 1e-7
+
+
+def test_native_refused_with_its_reason(monkeypatch):
+    monkeypatch.setenv("UAG_KERNELS", "onednn")
+    native._library.cache_clear()
+    try:
+        assert native.native_unavailable() == "UAG_KERNELS=onednn"
+        with pytest.raises(UagError, match="--kernels native is unavailable: UAG_KERNELS=onednn"):
+            kernels.resolve_kernels("native", torch.device("cpu"), torch.float32)
+        expected = "onednn" if kernels.fast_kernels_available() else "plain"
+        assert kernels.resolve_kernels("auto", torch.device("cpu"), torch.float32) == expected
+    finally:
+        monkeypatch.delenv("UAG_KERNELS")
+        native._library.cache_clear()
+    with pytest.raises(UagError, match="runs on float32 CPUs"):
+        kernels.resolve_kernels("native", torch.device("cpu"), torch.bfloat16)
+
+
 def test_onednn_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv("UAG_KERNELS", "plain")
     kernels.fast_kernels_available.cache_clear()
+    native._library.cache_clear()
     try:
         assert kernels.resolve_kernels("auto", torch.device("cpu"), torch.float32) == "plain"
         with pytest.raises(UagError, match="--kernels onednn needs"):
@@ -70,15 +126,18 @@ def test_onednn_refused_where_it_cannot_run(monkeypatch):
     finally:
         monkeypatch.delenv("UAG_KERNELS")
         kernels.fast_kernels_available.cache_clear()
+        native._library.cache_clear()
     with pytest.raises(UagError, match="unknown kernels"):
         kernels.resolve_kernels("fast", torch.device("cpu"), torch.float32)
     assert kernels.resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "plain"
 
 
-@pytest.mark.parametrize("backend", ["fbgemm", "int8pack"])
+@pytest.mark.parametrize("backend", ["native", "fbgemm", "int8pack"])
 def test_int8_assistant_close_and_silent(backend):
     if backend == "fbgemm" and kernels.int8_backend() != "fbgemm":
         pytest.skip("fbgemm's quantised ops are not in this torch build")
+    if backend == "native" and native.native_unavailable() is not None:
+        pytest.skip(f"native kernel: {native.native_unavailable()}")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
     x = torch.randn(3, 64)

@@ -8,7 +8,13 @@ import torch
 import uag
 from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
-from tests.tiny import cross_pair, logits_after_crop_and_fresh, same_tokenizer_pair, tiny_gemma
+from tests.tiny import (
+    cross_pair,
+    logits_after_crop_and_fresh,
+    same_tokenizer_pair,
+    tiny_gemma,
+    tiny_llama,
+)
 from uag.errors import UagError
 from uag.runner import CachedLM
 
@@ -77,16 +83,46 @@ def test_sliding_window_crop_past_window(tokenizers):
     assert any(r.accepted_candidates < r.candidates for r in out.iterations)
 
 
-def test_crop_semantics(tokenizers):
+@pytest.mark.parametrize("lean", [True, False])
+def test_crop_semantics(tokenizers, lean):
     model = tiny_gemma(len(tokenizers[0]))
-    lm = CachedLM(model)
+    lm = CachedLM(model, lean=lean)
+    assert (lm.lean is not None) == lean
     lm.reset(list(range(10, 30)), rollback=True)
     lm.forward()
     assert lm.cache.get_seq_length() == 20
-    with pytest.raises((ValueError, RuntimeError)):
-        lm.cache.crop(3)  # positive counts are refused by Transformers 5 (every layer kind)
+    if not lean:
+        with pytest.raises((ValueError, RuntimeError)):
+            lm.cache.crop(3)  # positive counts are refused by Transformers 5 (every layer kind)
     lm.truncate(17)
     assert lm.cache.get_seq_length() == 17 and lm.cached == 17 and len(lm.ids) == 17
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_lean_forward_matches_transformers(tokenizers, family):
+    """The lean forward reproduces Transformers' on the same weights: a 40-token prefill past
+    Gemma's sliding window (8), then chunks of 1-20 rows (row-wise and block attention), a
+    rollback, and a re-feed."""
+    vocab = len(tokenizers[0])
+    model = tiny_gemma(vocab, sliding_window=8) if family == "gemma" else tiny_llama(vocab)
+    lean, ref = CachedLM(model), CachedLM(model, lean=False)
+    assert lean.lean is not None and ref.lean is None
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (120,), generator=gen).tolist()
+    for lm in (lean, ref):
+        lm.reset(ids[:40], rollback=True)
+    pos = 40
+    for chunk in (1, 3, 20, 1, 9, 17, 2):
+        outs = []
+        for lm in (lean, ref):
+            lm.ids.extend(ids[pos : pos + chunk])
+            outs.append(lm.logits(lm.forward()))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        pos += chunk
+        if chunk == 9:  # reject five of them: both roll back
+            for lm in (lean, ref):
+                lm.truncate(pos - 5)
+            pos -= 5
 
 
 def test_logits_after_crop_equal_fresh_prefill(tokenizers):

@@ -23,9 +23,9 @@ from uag.errors import UagError
 from uag.kernels import (
     accelerate_target,
     is_row_invariant,
-    pack_body_linears,
     quantize_int8,
     resolve_kernels,
+    swap_linears,
 )
 from uag.models import (
     LoadedModel,
@@ -180,13 +180,13 @@ def load_pair(
     for ref in (target, assistant):
         check_reference(ref)
     dev = resolve_device(device)
-    resolve_kernels(kernels, dev, resolve_dtype(dtype, dev))  # refuse before loading anything
+    mode = resolve_kernels(kernels, dev, resolve_dtype(dtype, dev))  # refuse before loading
     tgt = load_model(target, device=device, dtype=dtype)
     ast = load_model(assistant, device=device, dtype=dtype)
     if assistant_int8:
         if ast.device.type != "cpu" or ast.dtype != torch.float32:
             raise UagError("--assistant-int8 needs the assistant on CPU in float32")
-        ast.model = quantize_int8(ast.model)
+        ast.model = quantize_int8(ast.model, backend="native" if mode == "native" else None)
     return make_pair(tgt, ast, assistant_int8=assistant_int8, kernels=kernels)
 
 
@@ -204,16 +204,15 @@ def make_pair(
     separate copy.
     """
     mode = resolve_kernels(kernels, target.device, target.dtype)
-    packed_head = None
-    if mode == "onednn":
-        packed_head = accelerate_target(target.model)
-        if resolve_kernels("auto", assistant.device, assistant.dtype) == "onednn":
-            pack_body_linears(assistant.model)  # an int8 assistant has no fp32 linears left
-    target_lm = CachedLM(
-        target.model,
-        greedy_head=True,
-        packed_head=packed_head,
-        row_invariant=mode == "onednn" and is_row_invariant(target.model),
+    fast_head = None
+    if mode in ("native", "onednn"):
+        fast_head = accelerate_target(target.model, mode)
+        if assistant.device.type == "cpu" and assistant.dtype == torch.float32:
+            # An int8 assistant has no fp32 linears left; a float32 one gets the same kernels.
+            swap_linears(assistant.model, mode, head=True)
+    target_lm = CachedLM(target.model, greedy_head=True, fast_head=fast_head)
+    target_lm.row_invariant = fast_head is not None and is_row_invariant(
+        target.model, rowwise_attention=target_lm.lean is not None
     )
     assistant_lm = CachedLM(assistant.model)
     bridge = Bridge.for_tokenizers(

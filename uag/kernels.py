@@ -38,7 +38,7 @@ from torch import nn
 
 from uag.errors import UagError
 
-KERNEL_CHOICES: tuple[str, ...] = ("auto", "onednn", "plain")
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "onednn", "plain")
 ROWWISE_MAX_ROWS = 16
 """Forwards of up to this many rows run attention row by row (verify and decode); longer ones
 (prompt prefill, the same call in every mode) use the fused kernel."""
@@ -68,20 +68,33 @@ def fast_kernels_available() -> bool:
 
 
 def resolve_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` → ``onednn`` on a CPU with float32 weights when available, else ``plain``.
+    """``auto`` → the fastest kernels usable here: ``native`` (``uag.native``), else ``onednn``
+    on a CPU with float32 weights, else ``plain`` (``F.linear``: GPUs, other dtypes).
 
-    Asking for ``onednn`` where it cannot run is an error, not a silent fallback.
+    Asking for ``native`` or ``onednn`` where it cannot run is an error, not a silent fallback.
     """
+    from uag.native import native_unavailable
+
     if choice not in KERNEL_CHOICES:
         raise UagError(f"unknown kernels {choice!r}: use {', '.join(KERNEL_CHOICES)}")
-    usable = device.type == "cpu" and dtype == torch.float32 and fast_kernels_available()
-    if choice == "onednn" and not usable:
+    cpu32 = device.type == "cpu" and dtype == torch.float32
+    onednn = cpu32 and fast_kernels_available()
+    if choice == "onednn" and not onednn:
         raise UagError(
             "--kernels onednn needs float32 weights on a CPU whose torch build has oneDNN "
             f"(here: {device.type}, {dtype}, oneDNN usable: {fast_kernels_available()})"
         )
+    if choice in ("native", "auto") and cpu32 and native_unavailable() is None:
+        return "native"
+    if choice == "native":
+        why = (
+            native_unavailable()
+            if cpu32
+            else f"it runs on float32 CPUs (here: {device.type}, {dtype})"
+        )
+        raise UagError(f"--kernels native is unavailable: {why}")
     if choice == "auto":
-        return "onednn" if usable else "plain"
+        return "onednn" if onednn else "plain"
     return choice
 
 
@@ -193,12 +206,6 @@ def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], skip
     return len(swaps)
 
 
-def pack_body_linears(model: Any) -> int:
-    """Swap the body's fp32 linears for ``PackedLinear`` (the output head is left to the head)."""
-    head = model.get_output_embeddings()
-    return _swap_linears(model, PackedLinear, {id(head)})
-
-
 HEAD_CHUNK_ROWS = 32768
 """Vocabulary rows per packed block of the head: packing block by block, with each block's
 source pages released at once, keeps the transient peak at one block instead of a whole head."""
@@ -242,30 +249,43 @@ class PackedHead(nn.Module):
         return torch.cat([block(hidden) for block in self.blocks], dim=-1)
 
 
-def packed_head_for(model: Any) -> PackedHead:
-    """The model's LM head packed for oneDNN, built once per model and kept beside it.
+def fast_head_for(model: Any, mode: str) -> nn.Module:
+    """The model's LM head on ``mode``'s kernels (``native`` or ``onednn``), built once per model
+    and kept beside it.
 
     A tied head (Gemma) keeps its embedding for lookups, so this is one extra copy of the head
-    (Gemma: 671 MB); it replaces the transposed copy the previous head needed.
+    (Gemma: 671 MB); the embedding's file pages are released and fault back in only for the rows
+    looked up.
     """
-    head = getattr(model, "_uag_packed_head", None)
+    head = getattr(model, "_uag_fast_head", None)
     if head is None:
-        head = PackedHead(model.get_output_embeddings())
-        model._uag_packed_head = head
+        if mode == "native":
+            from uag.native import NativeLinear
+
+            linear = model.get_output_embeddings()
+            head = NativeLinear(linear)
+            release_pages(linear.weight.detach())
+        else:
+            head = PackedHead(model.get_output_embeddings())
+        model._uag_fast_head = head
     return head
 
 
-def is_row_invariant(model: Any) -> bool:
-    """True when every linear of ``model`` and its packed head compute a row independently of the
-    row count (1..``ROWWISE_MAX_ROWS``) and attention runs row by row."""
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-    head = getattr(model, "_uag_packed_head", None)
-    packed = [m for m in [*linears, head] if isinstance(m, (PackedLinear, PackedHead))]
+def is_row_invariant(model: Any, *, rowwise_attention: bool) -> bool:
+    """True when every linear of ``model`` and its fast head compute a row independently of the
+    row count (1..``ROWWISE_MAX_ROWS``) and attention runs row by row (``rowwise_attention``:
+    the lean forward's, or Transformers' with ``use_rowwise_attention``)."""
+    from uag.native import NativeLinear
+
+    fast = (PackedLinear, NativeLinear)
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, *fast))]
+    head = getattr(model, "_uag_fast_head", None)
+    checked = [m for m in [*linears, head] if isinstance(m, (*fast, PackedHead))]
     return (
-        model.config._attn_implementation == ROWWISE_ATTENTION
+        (rowwise_attention or model.config._attn_implementation == ROWWISE_ATTENTION)
         and all(not isinstance(m, nn.Linear) or m is model.get_output_embeddings() for m in linears)
         and head is not None
-        and all(m.invariance != "variant" for m in packed)
+        and all(m.invariance != "variant" for m in checked)
     )
 
 
@@ -343,11 +363,24 @@ def use_rowwise_attention(model: Any) -> None:
     model.set_attn_implementation(ROWWISE_ATTENTION)
 
 
-def accelerate_target(model: Any) -> PackedHead:
-    """Pack the target's linears and head, make attention row-wise; return the packed head."""
-    pack_body_linears(model)
+def swap_linears(model: Any, mode: str, *, head: bool) -> int:
+    """Swap ``model``'s fp32 linears (its LM head too if ``head``) for ``mode``'s kernels:
+    ``native`` or ``onednn``."""
+    if mode == "native":
+        from uag.native import NativeLinear
+
+        make: Callable[[nn.Linear], nn.Module] = NativeLinear
+    else:
+        make = PackedLinear
+    return _swap_linears(model, make, set() if head else {id(model.get_output_embeddings())})
+
+
+def accelerate_target(model: Any, mode: str) -> nn.Module:
+    """Put the target's linears and head on ``mode``'s kernels, make Transformers' attention row
+    by row (for architectures without a lean forward); return the fast head."""
+    swap_linears(model, mode, head=False)
     use_rowwise_attention(model)
-    return packed_head_for(model)
+    return fast_head_for(model, mode)
 
 
 # --- the assistant's int8 linears ---------------------------------------------------------------
@@ -430,8 +463,15 @@ def quantize_int8(model: Any, *, backend: str | None = None) -> Any:
 
     A cheaper assistant: only the target decides the output, so the assistant's precision never
     changes what is generated. A tied embedding stays fp32; only the head's product is int8.
+    ``backend``: ``native`` (weight-only int8 on ``uag.native``), ``fbgemm`` or ``int8pack``;
+    default ``int8_backend()``.
     """
     kind = backend or int8_backend()
-    make = _FbgemmLinear if kind == "fbgemm" else _Int8PackLinear
+    if kind == "native":
+        from uag.native import NativeLinear
+
+        make: Callable[[nn.Linear], nn.Module] = functools.partial(NativeLinear, int8=True)
+    else:
+        make = _FbgemmLinear if kind == "fbgemm" else _Int8PackLinear
     _swap_linears(model, make, set())
     return model

@@ -137,10 +137,14 @@ def measure_verify_costs(
     ids = list(range(1000, 1000 + context))
     target.reset(ids, rollback=True)
     target.forward()
-    costs = []
-    for rows in range(1, max_rows + 1):
-        body, head = [], []
-        for i in range(repeats + 1):
+    counts = list(range(1, max_rows + 1))
+    body: dict[int, list[float]] = {rows: [] for rows in counts}
+    head: dict[int, list[float]] = {rows: [] for rows in counts}
+    for i in range(repeats + 1):
+        # Row counts interleaved, order rotated per round: drift over the run (these CPUs move
+        # by several percent) spreads over every row count instead of biasing the late ones.
+        shift = i % len(counts)
+        for rows in counts[shift:] + counts[:shift]:
             target.ids.extend(range(2000, 2000 + rows))
             t0 = time.perf_counter()
             hidden = target.forward()
@@ -150,14 +154,14 @@ def measure_verify_costs(
             _sync(target.device)
             t2 = time.perf_counter()
             target.truncate(context)
-            if i > 0:
-                body.append(t1 - t0)
-                head.append(t2 - t1)
-        costs.append(
-            VerifyCost(
-                rows=rows,
-                body_ms=statistics.median(body) * 1e3,
-                head_ms=statistics.median(head) * 1e3,
-            )
+            if i > 0:  # round 0 warms every shape up
+                body[rows].append(t1 - t0)
+                head[rows].append(t2 - t1)
+    return [
+        VerifyCost(
+            rows=rows,
+            body_ms=statistics.median(body[rows]) * 1e3,
+            head_ms=statistics.median(head[rows]) * 1e3,
         )
-    return costs
+        for rows in counts
+    ]

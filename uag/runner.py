@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-from uag.kernels import PackedHead
+from uag.lean import LeanBody, lean_body_for
 
 
 class CachedLM:
@@ -25,24 +26,21 @@ class CachedLM:
         model: Any,
         *,
         greedy_head: bool = False,
-        packed_head: PackedHead | None = None,
-        row_invariant: bool = False,
+        fast_head: nn.Module | None = None,
+        lean: bool = True,
     ) -> None:
-        from transformers import DynamicCache
-
         self.model = model
-        self._cache_cls = DynamicCache
         self.body = model.base_model
+        self.lean: LeanBody | None = lean_body_for(model) if lean else None
+        """The lean forward (``uag.lean``) where the architecture allows; else Transformers'."""
         self.head = model.get_output_embeddings()
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         self.device = next(model.parameters()).device
         self.vocab_size = int(self.head.out_features)
         self._greedy = (
-            GreedyHead(self.head.weight, self.head.bias, packed=packed_head)
-            if greedy_head
-            else None
+            GreedyHead(self.head.weight, self.head.bias, fast=fast_head) if greedy_head else None
         )
-        self.row_invariant = row_invariant
+        self.row_invariant = False
         """A position's logits do not depend on how many positions share the forward (bitwise),
         for forwards of up to ``ROWWISE_MAX_ROWS`` rows; otherwise verification guards near-ties."""
         self.ids: list[int] = []
@@ -58,7 +56,12 @@ class CachedLM:
         """
         self.ids = list(ids)
         self.cached = 0
-        self.cache = self._cache_cls(config=self.model.config)
+        if self.lean is not None:
+            self.cache = self.lean.new_cache()
+            return
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
         if rollback:
             self.cache.activate_past_recording()
 
@@ -67,10 +70,14 @@ class CachedLM:
         """Feed ``ids[cached:]`` and return their last hidden states ``[n, hidden]``."""
         new = self.ids[self.cached :]
         assert new, "forward() with nothing to feed"
-        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.body(input_ids=input_ids, cache=self.cache, use_cache=True)
+        input_ids = torch.tensor(new, dtype=torch.long, device=self.device)  # [n]
+        if self.lean is not None:
+            hidden = self.lean(input_ids, self.cache)
+        else:
+            out = self.body(input_ids=input_ids[None], cache=self.cache, use_cache=True)
+            hidden = out.last_hidden_state[0]
         self.cached = len(self.ids)
-        return out.last_hidden_state[0]  # [n, hidden]
+        return hidden  # [n, hidden]
 
     def truncate(self, keep: int) -> None:
         """Keep the first ``keep`` ids; drop the rest from ``ids`` and from the cache.
@@ -82,7 +89,10 @@ class CachedLM:
         if self.cached == 0:
             return  # nothing fed yet (Transformers 5.24 crashes cropping an empty sliding layer)
         drop = max(self.cached - keep, 0)
-        self.cache.crop(-drop)
+        if self.lean is not None:
+            self.cache.crop(self.cached - drop)
+        else:
+            self.cache.crop(-drop)
         self.cached -= drop
 
     @torch.inference_mode()
@@ -106,24 +116,24 @@ class GreedyHead:
     """Argmax of the LM head per position, for target-alone decoding and verification alike.
 
     Why one head for both: target-alone decoding is the reference, so verification must compute
-    each position's logits the same way. On CPU with float32 weights the product runs through
-    oneDNN's packed weight (``uag.kernels.PackedHead``), which costs about the same for 1–9
-    rows; elsewhere (CUDA, other dtypes, or ``--kernels plain``) a plain ``F.linear`` is used,
+    each position's logits the same way. On CPU with float32 weights the product runs on the
+    ``fast`` head (``uag.native.NativeLinear``, or oneDNN's ``uag.kernels.PackedHead``), which
+    costs about the same for 1–9 rows; elsewhere (CUDA, other dtypes, or ``--kernels plain``) a plain ``F.linear`` is used,
     which is bandwidth-bound on a GPU already. Soft-capping is monotonic and cannot move the
     argmax, so it is skipped.
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, packed: PackedHead | None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, fast: nn.Module | None
     ) -> None:
         self.weight = weight
         self.bias = bias
-        self.packed = packed
+        self.fast = fast
 
     def __call__(self, hidden: torch.Tensor) -> HeadOutput:
         """``hidden``: [n, h] → argmax ids [n], keeping the logits for statistics and margins."""
-        if self.packed is not None:
-            logits = self.packed(hidden.float())  # [n, V]
+        if self.fast is not None:
+            logits = self.fast(hidden.float())  # [n, V]
         else:
             logits = torch.nn.functional.linear(
                 hidden.to(self.weight.dtype), self.weight, self.bias

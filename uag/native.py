@@ -1,0 +1,222 @@
+"""uag's own skinny matrix product (``csrc/skinny.c``), built once with the system C compiler.
+
+Why a kernel of our own: a decode or verify step multiplies 1–16 rows by every weight once, so
+it should cost one read of the weights. Neither MKL nor oneDNN gets there for these shapes on
+AVX2 CPUs (the head alone: ~57 ms in oneDNN for one row, ~28–38 ms here), and oneDNN computes a
+lone row differently from a row among others. ``skinny.c`` streams each weight once and computes
+every output the same way whatever the row count: row-count invariance by construction,
+which is what makes greedy verification lossless without guards.
+
+Building: ``cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp``, linked against the OpenMP runtime
+torch itself loaded (one thread pool, no oversubscription), cached under
+``$UAG_CACHE/kernels/`` by a hash of source, flags and torch version (a few seconds, once).
+Where that cannot work (no compiler, no AVX2, a torch without GNU OpenMP, ``UAG_KERNELS`` set to
+``onednn`` or ``plain``) ``native_unavailable()`` says why and ``uag.kernels`` uses oneDNN or
+plain kernels instead, which the tests also cover.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCE = Path(__file__).parent / "csrc" / "skinny.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+BLOCK_ROWS, K_STEP = 4, 8
+"""The kernel's interleaved layout: blocks of 4 output rows, 8 inputs per step."""
+
+
+def _torch_openmp() -> Path | None:
+    """The GNU OpenMP runtime bundled with torch (linking to it shares torch's thread pool)."""
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(lib.glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _build(cache: Path) -> Path:
+    """Compile ``skinny.c`` into ``cache`` unless an identical build is there; return the path."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    gomp = _torch_openmp()
+    if gomp is None:
+        raise RuntimeError("this torch build bundles no GNU OpenMP runtime to share")
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+    ).hexdigest()[:16]
+    target = cache / f"skinny-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[:300]}")
+    os.replace(tmp, target)  # atomic: concurrent builders (torchrun ranks) never see half a file
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in (lib.uag_linear_f32, lib.uag_linear_i8):
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
+    return lib
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str | None]:
+    """``(library, None)`` or ``(None, why not)``; built, loaded and self-tested once."""
+    if os.environ.get("UAG_KERNELS", "") in ("onednn", "plain"):
+        return None, f"UAG_KERNELS={os.environ['UAG_KERNELS']}"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"needs an x86-64 CPU (this is {platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return None, f"needs AVX2 (torch reports {capability})"
+    from uag.models import cache_root
+
+    try:
+        lib = _load(_build(cache_root() / "kernels"))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        return None, str(err)
+    problem = _self_test(lib)
+    return (None, problem) if problem else (lib, None)
+
+
+def native_unavailable() -> str | None:
+    """None when the native kernel is usable here, else the reason it is not."""
+    return _library()[1]
+
+
+def _self_test(lib: ctypes.CDLL) -> str | None:
+    """Agreement with ``F.linear`` and bitwise row-count invariance on a small odd shape."""
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(45, 22)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(22, 45, generator=gen))
+        linear.bias.copy_(torch.randn(22, generator=gen))
+    x = torch.randn(7, 45, generator=gen)
+    for int8 in (False, True):
+        layer = NativeLinear(linear, int8=int8, lib=lib)
+        full = layer(x)
+        ref = F.linear(x, layer.dequantized(), linear.bias)
+        if not torch.allclose(full, ref, rtol=1e-4, atol=1e-4):
+            return "the native kernel disagrees with F.linear here"
+        pieces = (layer(x[i : i + k]) for k in (1, 2, 3) for i in range(7 - k + 1))
+        expected = (full[i : i + k] for k in (1, 2, 3) for i in range(7 - k + 1))
+        if not all(torch.equal(a, b) for a, b in zip(pieces, expected, strict=True)):
+            return "the native kernel is not row-count invariant here"
+    return None
+
+
+def _ceil(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def interleave(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` → the kernel's layout ``[N/4, K/8, 4, 8]`` (zero-padded to multiples)."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, _ceil(k, K_STEP) - k, 0, _ceil(n, BLOCK_ROWS) - n))
+    np_, kp = padded.shape
+    return (
+        padded.view(np_ // BLOCK_ROWS, BLOCK_ROWS, kp // K_STEP, K_STEP)
+        .permute(0, 2, 1, 3)
+        .contiguous()
+    )
+
+
+def symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` rounded to int8 with one scale per output row (symmetric): ``(q, scales)``."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+class NativeLinear(nn.Module):
+    """A linear layer on ``skinny.c``: fp32, or weight-only int8 (one scale per output row).
+
+    The weight is kept only in the kernel's interleaved layout (the caller releases the
+    original's pages).
+    """
+
+    def __init__(
+        self, linear: nn.Linear, *, int8: bool = False, lib: ctypes.CDLL | None = None
+    ) -> None:
+        super().__init__()
+        self.lib = lib if lib is not None else _library()[0]
+        if self.lib is None:
+            raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
+        weight = linear.weight.detach().float()
+        self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
+        self.padded_in = _ceil(self.in_features, K_STEP)
+        self.int8 = int8
+        scales = torch.ones(self.out_features)
+        if int8:
+            weight, scales = symmetric_int8(weight)
+        self.weight_ilv: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("weight_ilv", interleave(weight))
+        self.register_buffer("scales", F.pad(scales, (0, self.padded_out - self.out_features)))
+        bias = linear.bias
+        self.bias_padded: torch.Tensor | None = (
+            None
+            if bias is None
+            else F.pad(bias.detach().float(), (0, self.padded_out - self.out_features))
+        )
+        self._fn = self.lib.uag_linear_i8 if int8 else self.lib.uag_linear_f32
+        self.invariance = "invariant"
+        """Row-count invariant by construction (``skinny.c``), checked at build time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if self.padded_in != self.in_features:
+            rows = F.pad(rows, (0, self.padded_in - self.in_features))
+        elif not rows.is_contiguous():
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, self.padded_out)
+        self._fn(
+            rows.data_ptr(),
+            self.padded_in,
+            m,
+            self.padded_in,
+            self.weight_ilv.data_ptr(),
+            self.scales.data_ptr() if self.int8 else None,
+            self.padded_out,
+            None if self.bias_padded is None else self.bias_padded.data_ptr(),
+            y.data_ptr(),
+            self.padded_out,
+        )
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernel sees it, ``[out, in]`` fp32 (tests, tied embeddings)."""
+        blocks, steps = self.weight_ilv.shape[:2]
+        w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * K_STEP)
+        w = w[: self.out_features, : self.in_features].float()
+        return w * self.scales[: self.out_features, None] if self.int8 else w
+
+    def extra_repr(self) -> str:
+        kind = "int8 weight-only" if self.int8 else "fp32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, native {kind}"
