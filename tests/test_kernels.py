@@ -99,6 +99,27 @@ def test_native_int8_rounds_like_symmetric_per_channel():
     assert (layer.dequantized() - linear.weight).abs().max() <= scales.max() / 2 + 1e-7
 
 
+@needs_native
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_native_linears_equal_their_parts_bitwise(int8):
+    torch.manual_seed(0)
+    parts = [native.NativeLinear(nn.Linear(40, n), int8=int8) for n in (24, 8, 8)]
+    x = torch.randn(5, 40)
+    before = [p(x) for p in parts]
+    fused = native.fuse(parts)
+    assert fused is not None
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    for p, expected in zip(parts, before, strict=True):  # the parts now view the fused weight
+        assert torch.equal(p(x), expected)
+        assert (
+            p.weight_ilv.untyped_storage().data_ptr()
+            == fused.weight_ilv.untyped_storage().data_ptr()
+        )
+    odd = native.NativeLinear(nn.Linear(40, 6))  # 6 outputs: padded, so not fusable
+    assert native.fuse([parts[0], odd]) is None
+    assert native.fuse([nn.Linear(40, 8), nn.Linear(40, 8)]) is None
+
+
 def test_native_refused_with_its_reason(monkeypatch):
     monkeypatch.setenv("UAG_KERNELS", "onednn")
     native._library.cache_clear()

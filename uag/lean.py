@@ -76,6 +76,66 @@ class LeanCache:
         return self.length
 
 
+class _Norm:
+    """RMS norm as one fused op (``F.rms_norm``): Llama's weight, Gemma's ``1 + weight``."""
+
+    def __init__(self, module: Any, *, gemma: bool) -> None:
+        weight = module.weight.detach().float()
+        self.weight = 1.0 + weight if gemma else weight
+        self.eps = float(getattr(module, "eps", getattr(module, "variance_epsilon", 1e-6)))
+        self.shape = (int(weight.shape[0]),)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class _Layer:
+    """One decoder layer's pieces, with q/k/v and gate/up fused where the kernels allow."""
+
+    def __init__(self, layer: Any, *, gemma: bool) -> None:
+        from uag.native import fuse
+
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norms = [
+            _Norm(getattr(layer, name), gemma=gemma)
+            for name in (
+                (
+                    "input_layernorm",
+                    "post_attention_layernorm",
+                    "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm",
+                )
+                if gemma
+                else ("input_layernorm", "post_attention_layernorm")
+            )
+        ]
+        self.qk_norms = (
+            (_Norm(attn.q_norm, gemma=True), _Norm(attn.k_norm, gemma=True)) if gemma else None
+        )
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.qkv = fuse([self.q, self.k, self.v])
+        self.splits = [int(m.out_features) for m in (self.q, self.k, self.v)]
+        self.gate, self.up, self.down, self.act = (
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            mlp.act_fn,
+        )
+        self.gate_up = fuse([self.gate, self.up])
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is None:
+            return self.q(x), self.k(x), self.v(x)
+        q, k, v = self.qkv(x).split(self.splits, dim=-1)
+        return q, k, v
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None:
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
 class LeanBody:
     """``model.base_model`` for one sequence: ``(ids [n], cache) → last hidden states [n, h]``."""
 
@@ -92,12 +152,14 @@ class LeanBody:
         self.kv_heads = int(config.num_key_value_heads)
         self.groups = int(config.num_attention_heads) // self.kv_heads
         self.scaling = float(attn.scaling)
+        self.layers = [_Layer(layer, gemma=self.gemma) for layer in self.body.layers]
+        self.final_norm = _Norm(self.body.norm, gemma=self.gemma)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
 
     def new_cache(self) -> LeanCache:
         return LeanCache(
-            layers=len(self.body.layers),
+            layers=len(self.layers),
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
@@ -119,44 +181,40 @@ class LeanBody:
                 else self.body.rotary_emb(hidden, positions)
             )
             rope[kind] = (cos[0][:, None, :], sin[0][:, None, :])  # [n, 1, d]
-        for index, layer in enumerate(self.body.layers):
+        for index, layer in enumerate(self.layers):
             kind = self.layer_types[index]
             window = self.window if kind == "sliding_attention" else None
-            residual = hidden
-            x = layer.input_layernorm(hidden)
-            x = self._attention(layer.self_attn, x, rope[kind], cache, index, start, window)
+            x = self._attention(
+                layer, layer.norms[0](hidden), rope[kind], cache, index, start, window
+            )
             if self.gemma:
-                x = layer.post_attention_layernorm(x)
-                hidden = residual + x
-                residual = hidden
-                x = layer.mlp(layer.pre_feedforward_layernorm(hidden))
-                hidden = residual + layer.post_feedforward_layernorm(x)
+                hidden = hidden + layer.norms[1](x)
+                hidden = hidden + layer.norms[3](layer.mlp(layer.norms[2](hidden)))
             else:
-                hidden = residual + x
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                hidden = hidden + x
+                hidden = hidden + layer.mlp(layer.norms[1](hidden))
         cache.length = start + n
-        return self.body.norm(hidden)
+        return self.final_norm(hidden)
 
     def _attention(
         self,
-        attn: Any,
+        layer: _Layer,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: LeanCache,
-        layer: int,
+        index: int,
         start: int,
         window: int | None,
     ) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        q = attn.q_proj(x).view(n, -1, d)  # [n, hq, d]
-        k = attn.k_proj(x).view(n, -1, d)  # [n, hkv, d]
-        v = attn.v_proj(x).view(n, -1, d)
-        if self.gemma:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = layer.project_qkv(x)
+        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)  # [n, heads, d]
+        if layer.qk_norms is not None:
+            q, k = layer.qk_norms[0](q), layer.qk_norms[1](k)
         cos, sin = rope
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys, values = cache.keys[layer], cache.values[layer]
+        keys, values = cache.keys[index], cache.values[index]
         keys[:, start : start + n] = k.transpose(0, 1)
         values[:, start : start + n] = v.transpose(0, 1)
         if n <= ROWWISE_MAX_ROWS:
@@ -165,7 +223,7 @@ class LeanBody:
             )
         else:
             out = self._attend_block(q, keys, values, start, window)
-        return attn.o_proj(out)  # [n, h]
+        return layer.o(out)  # [n, h]
 
     def _attend_row(
         self,

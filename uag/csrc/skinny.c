@@ -42,12 +42,18 @@ static inline __m256 load_i8(const int8_t *w) {
 #define BLOCK(NAME, WTYPE, LOADW, FINISH)                                                     \
     static inline __attribute__((always_inline)) void NAME(                                   \
         const float *x, int64_t ldx, int64_t m0, const int mb, int64_t K, const WTYPE *w,     \
-        const float *scale, int64_t n0, const float *bias, float *y, int64_t ldy) {           \
+        const float *scale, int64_t n0, const float *bias, float *y, int64_t ldy,             \
+        const int prefetch) {                                                                 \
         __m256 acc[MB][NB];                                                                   \
         for (int i = 0; i < MB; i++)                                                          \
             for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                     \
         const WTYPE *wb = w + n0 * K;                                                         \
         for (int64_t k = 0; k < K; k += 8) {                                                  \
+            if (prefetch) { /* the next block, while this one is computed from L1 */           \
+                const char *next = (const char *)(wb + NB * K + k * NB);                      \
+                _mm_prefetch(next, _MM_HINT_T0);                                              \
+                _mm_prefetch(next + 64, _MM_HINT_T0);                                         \
+            }                                                                                 \
             __m256 wv[NB];                                                                    \
             for (int j = 0; j < NB; j++) wv[j] = LOADW(wb + k * NB + j * 8);                  \
             for (int i = 0; i < mb; i++) {                                                    \
@@ -75,8 +81,10 @@ BLOCK(block_i8, int8_t, load_i8, s *= scale[n]; if (bias) s += bias[n])
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t b = 0; b < blocks; b++) {                                                \
             int64_t m0 = 0;                                                                   \
-            for (; m0 + 2 <= M; m0 += 2) BLOCKFN(x, ldx, m0, 2, K, w, scale, b * NB, bias, y, ldy); \
-            if (m0 < M) BLOCKFN(x, ldx, m0, 1, K, w, scale, b * NB, bias, y, ldy);            \
+            const int pf = M > 2 && b + 1 < blocks; /* M <= 2: the hardware prefetcher keeps up */ \
+            for (; m0 + 2 <= M; m0 += 2)                                                      \
+                BLOCKFN(x, ldx, m0, 2, K, w, scale, b * NB, bias, y, ldy, pf && m0 == 0);     \
+            if (m0 < M) BLOCKFN(x, ldx, m0, 1, K, w, scale, b * NB, bias, y, ldy, pf && m0 == 0); \
         }                                                                                     \
     }
 
