@@ -120,6 +120,64 @@ def test_fused_native_linears_equal_their_parts_bitwise(int8):
     assert native.fuse([nn.Linear(40, 8), nn.Linear(40, 8)]) is None
 
 
+def _near_tie_head(seed: int = 0) -> tuple[nn.Linear, torch.Tensor, int, int]:
+    """A head where rows ``a`` and ``b`` are near-identical winners for input row 0: ``b`` wins
+    in fp32, the int8 logits rank ``a`` strictly higher, and ``a``'s exact logit beats ``b``'s
+    int8 one, so screening without its error bound emits ``a`` (found by a seeded search over
+    perturbations of ``b`` about one int8 step wide)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 64, generator=gen)
+    base = torch.randn(500, 64, generator=gen) * 0.05
+    a, b = 7, 300
+    base[a] = x[0] / x[0].norm() * 3.0
+    for _ in range(1000):
+        weight = base.clone()
+        weight[b] = base[a] + torch.randn(64, generator=gen) * 3e-3
+        head = nn.Linear(64, 500, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        exact = native.NativeLinear(head)(x[:1])[0]
+        int8 = native.NativeLinear(head, int8=True)(x[:1])[0]
+        if exact[b] > exact[a] > int8[b] and int8[a] > int8[b]:
+            return head, x, a, b
+    raise AssertionError("no near-tie found")
+
+
+@needs_native
+def test_screened_head_argmax_is_exact_at_a_near_tie_int8_gets_wrong():
+    from uag.screened import ScreenedHead
+
+    head, x, a, b = _near_tie_head()
+    exact = native.NativeLinear(head)(x)
+    assert int(exact[0].argmax()) == b
+    int8_only = native.NativeLinear(head, int8=True)(x)
+    assert int(int8_only[0].argmax()) == a  # screening alone would emit the wrong token
+    screened = ScreenedHead(head)
+    logits = screened(x)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert logits[0, b] == exact[0, b] and logits[0, a] == exact[0, a]  # both computed exactly
+    for row in range(3):  # each row alone: the same values (row-count invariant)
+        assert torch.equal(screened(x[row : row + 1])[0], logits[row])
+    screened.row_bound = torch.zeros_like(screened.row_bound)  # no error bound: wrong token
+    screened.ABSOLUTE_SLACK = 0.0
+    assert int(screened(x)[0].argmax()) == a
+
+
+@needs_native
+def test_screened_head_matches_fp32_on_random_heads():
+    from uag.screened import ScreenedHead
+
+    torch.manual_seed(0)
+    for trial in range(20):
+        head = nn.Linear(96, 2000, bias=trial % 2 == 0)
+        x = torch.randn(5, 96) * (1 + trial)
+        exact = native.NativeLinear(head)(x)
+        logits = ScreenedHead(head)(x)
+        top = exact.argmax(-1)
+        assert torch.equal(logits.argmax(-1), top)
+        assert torch.equal(logits[torch.arange(5), top], exact[torch.arange(5), top])
+
+
 def test_native_refused_with_its_reason(monkeypatch):
     monkeypatch.setenv("UAG_KERNELS", "onednn")
     native._library.cache_clear()

@@ -11,10 +11,12 @@ from tests.nasty import NASTY_PROMPTS
 from tests.tiny import (
     cross_pair,
     logits_after_crop_and_fresh,
+    one_row_vs_chunked_logits,
     same_tokenizer_pair,
     tiny_gemma,
     tiny_llama,
 )
+from uag import kernels, native
 from uag.errors import UagError
 from uag.runner import CachedLM
 
@@ -130,6 +132,38 @@ def test_logits_after_crop_equal_fresh_prefill(tokenizers):
     ids = list(range(100, 140))
     after_crop, expected = logits_after_crop_and_fresh(model, ids, [5, 6, 7, 8, 9], 77)
     torch.testing.assert_close(after_crop, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_native_layers_match_the_torch_path(tokenizers, family):
+    """``layer.c`` (one call per layer) against the lean torch path on the same native linears:
+    equal within float noise through prefill, chunks of 1-16 rows past the sliding window, and
+    a rollback; and each row's logits bitwise the same whatever the chunking."""
+    vocab = len(tokenizers[0])
+    model = tiny_gemma(vocab, sliding_window=8) if family == "gemma" else tiny_llama(vocab)
+    kernels.swap_linears(model, "native", head=True)
+    fast, torch_path = CachedLM(model), CachedLM(model)
+    torch_path.lean.native = None
+    assert fast.lean.native is not None
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (90,), generator=gen).tolist()
+    for lm in (fast, torch_path):
+        lm.reset(ids[:12], rollback=True)  # a 12-token prefill: also native (≤ 16 rows)
+    pos = 12
+    for chunk in (1, 16, 3, 9, 1, 5):
+        outs = []
+        for lm in (fast, torch_path):
+            lm.ids.extend(ids[pos : pos + chunk])
+            outs.append(lm.logits(lm.forward()))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+        pos += chunk
+        if chunk == 9:
+            for lm in (fast, torch_path):
+                lm.truncate(pos - 4)
+            pos -= 4
+    alone, chunked = one_row_vs_chunked_logits(fast, ids[:10], ids[10:60])
+    assert torch.equal(alone, chunked)
 
 
 def test_eos_mid_block_ends_generation(tokenizers):

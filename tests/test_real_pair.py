@@ -14,7 +14,7 @@ import uag
 from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import logits_after_crop_and_fresh, one_row_vs_chunked_logits
-from uag import kernels
+from uag import kernels, native
 from uag.models import load_model
 from uag.runner import CachedLM
 from uag.speculative import TIE_BOUND
@@ -46,6 +46,26 @@ def test_real_target_rows_are_bitwise_invariant(real_pair):
     ids = _sample_ids(real_pair)
     alone, chunked = one_row_vs_chunked_logits(real_pair.target_lm, ids[:40], ids[40:100])
     assert torch.equal(alone, chunked)
+
+
+@pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
+def test_real_screened_head_is_the_fp32_argmax(real_pair):
+    """Gemma's int8-screened head picks exactly the fp32 head's token at every position of real
+    text (and computes that token's logit exactly), with only a few exact rows per position."""
+    from uag.screened import ScreenedHead
+
+    lm = real_pair.target_lm
+    screened = lm._greedy.fast
+    assert isinstance(screened, ScreenedHead)
+    ids = _sample_ids(real_pair)
+    lm.reset(ids, rollback=False)
+    hidden = lm.forward()  # [n, h]: every position of the sample
+    full = native.NativeLinear(lm.head)(hidden)
+    logits = screened(hidden)
+    top = full.argmax(-1)
+    assert torch.equal(logits.argmax(-1), top)
+    assert torch.equal(logits[torch.arange(len(top)), top], full[torch.arange(len(top)), top])
+    assert screened.last_candidates < 20 * len(top)
 
 
 @pytest.fixture(scope="module")

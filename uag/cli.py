@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from uag.errors import UagError
+from uag.kernels import KERNEL_CHOICES
 
 POLICIES = ("static", "heuristic", "confidence", "entropy", "learned")
 
@@ -74,15 +75,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--assistant-int8",
         action="store_true",
-        help="int8 dynamic quantisation of the assistant's Linear layers (CPU): cheaper drafts, same output",
+        help="int8 weights for the assistant's linear layers (CPU; weight-only on the native "
+        "kernel, else dynamic): cheaper drafts, same output",
     )
     p.add_argument(
         "--kernels",
         default="auto",
-        choices=["auto", "onednn", "plain"],
-        help="target linear kernels: auto (oneDNN packed on a float32 CPU: a verify of up to 8 "
-        "candidates costs about one step, bitwise equal per row), onednn, or plain (F.linear; "
-        "near-ties are then recomputed) (default: %(default)s)",
+        choices=list(KERNEL_CHOICES),
+        help="linear kernels on a float32 CPU: auto picks native (uag's own AVX2 kernel, built "
+        "once with the C compiler: each weight read once per step, bitwise equal per row "
+        "whatever the row count), else onednn (oneDNN packed, also row-count invariant), else "
+        "plain (F.linear; GPUs; near-ties are then recomputed) (default: %(default)s)",
     )
 
 

@@ -253,17 +253,17 @@ def fast_head_for(model: Any, mode: str) -> nn.Module:
     """The model's LM head on ``mode``'s kernels (``native`` or ``onednn``), built once per model
     and kept beside it.
 
-    A tied head (Gemma) keeps its embedding for lookups, so this is one extra copy of the head
-    (Gemma: 671 MB); the embedding's file pages are released and fault back in only for the rows
-    looked up.
+    ``native``: ``uag.screened.ScreenedHead``, an int8 copy (Gemma: 168 MB) that screens and the
+    original fp32 weight for the few candidate rows. ``onednn``: a packed copy (671 MB). Either
+    way the original's file pages are released and fault back in only for the rows read.
     """
     head = getattr(model, "_uag_fast_head", None)
     if head is None:
         if mode == "native":
-            from uag.native import NativeLinear
+            from uag.screened import ScreenedHead
 
             linear = model.get_output_embeddings()
-            head = NativeLinear(linear)
+            head = ScreenedHead(linear)  # int8 screening, exact fp32 argmax
             release_pages(linear.weight.detach())
         else:
             head = PackedHead(model.get_output_embeddings())
@@ -276,8 +276,9 @@ def is_row_invariant(model: Any, *, rowwise_attention: bool) -> bool:
     row count (1..``ROWWISE_MAX_ROWS``) and attention runs row by row (``rowwise_attention``:
     the lean forward's, or Transformers' with ``use_rowwise_attention``)."""
     from uag.native import NativeLinear
+    from uag.screened import ScreenedHead
 
-    fast = (PackedLinear, NativeLinear)
+    fast = (PackedLinear, NativeLinear, ScreenedHead)
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, *fast))]
     head = getattr(model, "_uag_fast_head", None)
     checked = [m for m in [*linears, head] if isinstance(m, (*fast, PackedHead))]

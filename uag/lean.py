@@ -156,6 +156,10 @@ class LeanBody:
         self.final_norm = _Norm(self.body.norm, gemma=self.gemma)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        from uag.native_layer import NativeLayers
+
+        self.native = NativeLayers.for_body(self)
+        """Each layer as one ``layer.c`` call (forwards of ≤ 16 rows), where the kernels allow."""
 
     def new_cache(self) -> LeanCache:
         return LeanCache(
@@ -180,7 +184,12 @@ class LeanBody:
                 if self.gemma
                 else self.body.rotary_emb(hidden, positions)
             )
-            rope[kind] = (cos[0][:, None, :], sin[0][:, None, :])  # [n, 1, d]
+            rope[kind] = (cos[0].contiguous(), sin[0].contiguous())  # [n, d]
+        if self.native is not None and n <= ROWWISE_MAX_ROWS:
+            hidden = self.native(hidden.contiguous(), cache, start, rope)
+            cache.length = start + n
+            return self.final_norm(hidden)
+        rope = {kind: (cos[:, None, :], sin[:, None, :]) for kind, (cos, sin) in rope.items()}
         for index, layer in enumerate(self.layers):
             kind = self.layer_types[index]
             window = self.window if kind == "sliding_attention" else None

@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SOURCE = Path(__file__).parent / "csrc" / "skinny.c"
+SOURCES = (
+    Path(__file__).parent / "csrc" / "skinny.c",  # the matrix products
+    Path(__file__).parent / "csrc" / "layer.c",  # a whole decoder layer around them
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK_ROWS, K_STEP = 4, 8
 """The kernel's interleaved layout: blocks of 4 output rows, 8 inputs per step."""
@@ -45,7 +48,7 @@ def _torch_openmp() -> Path | None:
 
 
 def _build(cache: Path) -> Path:
-    """Compile ``skinny.c`` into ``cache`` unless an identical build is there; return the path."""
+    """Compile ``SOURCES`` into ``cache`` unless an identical build is there; return the path."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -53,7 +56,9 @@ def _build(cache: Path) -> Path:
     if gomp is None:
         raise RuntimeError("this torch build bundles no GNU OpenMP runtime to share")
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+        b"".join(src.read_bytes() for src in SOURCES)
+        + " ".join(FLAGS).encode()
+        + torch.__version__.encode()
     ).hexdigest()[:16]
     target = cache / f"skinny-{key}.so"
     if target.exists():
@@ -61,11 +66,12 @@ def _build(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
-    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+    sources = [str(src) for src in SOURCES]
+    cmd = [compiler, *FLAGS, *sources, "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[:300]}")
+        raise RuntimeError(f"compiling uag's kernels failed: {done.stderr.strip()[:300]}")
     os.replace(tmp, target)  # atomic: concurrent builders (torchrun ranks) never see half a file
     return target
 
@@ -76,6 +82,8 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.uag_linear_f32, lib.uag_linear_i8):
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
+    lib.uag_decoder_layer.restype = None
+    lib.uag_decoder_layer.argtypes = [p, p, i64, i64, p, p, i64, p, p, p]
     return lib
 
 

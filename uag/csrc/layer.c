@@ -1,0 +1,184 @@
+/* One decoder layer (Llama or Gemma 3) for 1-16 rows, in one call.
+ *
+ * Why: at batch size 1 the work between the matrix products (norms, rotary embedding, the KV
+ * cache write, attention, activations, residuals) is tiny, but as ~25 torch calls per layer it
+ * cost ~9 ms of a ~19 ms SmolLM2 draft step on these CPUs. Here it is plain loops; the products
+ * go to skinny.c.
+ *
+ * Row-count invariance by construction, as in skinny.c: every row is normalised, rotated and
+ * attended on its own, with fixed summation orders, so a row's result never depends on how
+ * many rows share the call. Built with -ffp-contract=off (no silent fusing).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void uag_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
+                    const float *scale, int64_t N, const float *bias, float *y, int64_t ldy);
+void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
+                   const float *scale, int64_t N, const float *bias, float *y, int64_t ldy);
+
+typedef struct {
+    const void *weight; /* interleaved (skinny.c) */
+    const float *scale; /* int8: one per output; else NULL */
+    const float *bias;  /* or NULL */
+    int64_t in, out;    /* in: padded to 8 (the caller guarantees it equals the real width) */
+    int64_t int8;
+} uag_linear_t;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    int64_t gemma;  /* Gemma 3: norms after attention and MLP too, q/k norms, gelu-tanh */
+    int64_t window; /* sliding window (0: full attention) */
+    float eps, scaling;
+    const float *norm_in, *norm_post_attn, *norm_pre_ff, *norm_post_ff; /* effective weights */
+    const float *q_norm, *k_norm;                                       /* Gemma only */
+    uag_linear_t qkv, o, gate_up, down;
+} uag_layer_t;
+
+typedef struct {
+    float *x, *qkv, *attn, *o, *gu, *act; /* scratch: [rows, width] each, sized by the caller */
+} uag_scratch_t;
+
+static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y) {
+    if (l->int8)
+        uag_linear_i8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->out, l->bias,
+                      y, l->out);
+    else
+        uag_linear_f32(x, l->in, rows, l->in, (const float *)l->weight, NULL, l->out, l->bias, y,
+                       l->out);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+    return _mm_cvtss_f32(s);
+}
+
+/* Sum of a[i] * b[i]: eight lanes of fused multiply-adds in order, then a fixed reduction and
+ * the tail in order. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w over n values (y may be x). */
+static inline void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    const float inv = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
+}
+
+/* Rotary embedding as Transformers applies it: x * cos + rotate_half(x) * sin. */
+static inline void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+static inline float gelu_tanh(float x) {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Row i (position start + i) of every query head over the keys it may see. */
+static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int64_t start,
+                      const float *keys, const float *values, int64_t capacity, float *out) {
+    const int64_t d = L->head_dim, groups = L->heads / L->kv_heads;
+    const int64_t width = (L->heads + 2 * L->kv_heads) * d;
+#pragma omp parallel
+    {
+        float *score = (float *)malloc(sizeof(float) * (size_t)(start + rows));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows * L->heads; t++) {
+            const int64_t i = t / L->heads, h = t % L->heads, kv = h / groups;
+            const int64_t pos = start + i;
+            const int64_t lo = (L->window > 0 && pos - L->window + 1 > 0) ? pos - L->window + 1 : 0;
+            const float *q = qkv + i * width + h * d;
+            const float *K = keys + kv * capacity * d, *V = values + kv * capacity * d;
+            float top = -INFINITY;
+            for (int64_t j = lo; j <= pos; j++) {
+                score[j] = dot(q, K + j * d, d) * L->scaling;
+                if (score[j] > top) top = score[j];
+            }
+            float total = 0.0f;
+            for (int64_t j = lo; j <= pos; j++) {
+                score[j] = expf(score[j] - top);
+                total += score[j];
+            }
+            float *o = out + i * L->heads * d + h * d;
+            for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
+            for (int64_t j = lo; j <= pos; j++) {
+                const float p = score[j] / total;
+                const float *v = V + j * d;
+                for (int64_t c = 0; c < d; c++) o[c] = fmaf(p, v[c], o[c]);
+            }
+        }
+        free(score);
+    }
+}
+
+/* hidden [rows, H] (updated in place) through one layer; positions start .. start + rows - 1.
+ * keys/values: this layer's cache, [kv_heads, capacity, head_dim]; cos/sin: [rows, head_dim]. */
+void uag_decoder_layer(const uag_layer_t *L, float *hidden, int64_t rows, int64_t start,
+                       float *keys, float *values, int64_t capacity, const float *cos,
+                       const float *sin, const uag_scratch_t *S) {
+    const int64_t H = L->hidden, d = L->head_dim, hq = L->heads, hkv = L->kv_heads;
+    const int64_t width = (hq + 2 * hkv) * d;
+    for (int64_t i = 0; i < rows; i++) rms_norm(hidden + i * H, L->norm_in, H, L->eps, S->x + i * H);
+    linear(&L->qkv, S->x, rows, S->qkv);
+    for (int64_t i = 0; i < rows; i++) {
+        float *q = S->qkv + i * width, *k = q + hq * d, *v = k + hkv * d;
+        for (int64_t h = 0; h < hq; h++) {
+            if (L->gemma) rms_norm(q + h * d, L->q_norm, d, L->eps, q + h * d);
+            rope(q + h * d, cos + i * d, sin + i * d, d);
+        }
+        for (int64_t h = 0; h < hkv; h++) {
+            if (L->gemma) rms_norm(k + h * d, L->k_norm, d, L->eps, k + h * d);
+            rope(k + h * d, cos + i * d, sin + i * d, d);
+            float *kd = keys + (h * capacity + start + i) * d;
+            float *vd = values + (h * capacity + start + i) * d;
+            for (int64_t c = 0; c < d; c++) {
+                kd[c] = k[h * d + c];
+                vd[c] = v[h * d + c];
+            }
+        }
+    }
+    attention(L, S->qkv, rows, start, keys, values, capacity, S->attn);
+    linear(&L->o, S->attn, rows, S->o);
+    for (int64_t i = 0; i < rows; i++) {
+        float *h = hidden + i * H, *o = S->o + i * H, *x = S->x + i * H;
+        if (L->gemma) {
+            rms_norm(o, L->norm_post_attn, H, L->eps, o);
+            for (int64_t c = 0; c < H; c++) h[c] = h[c] + o[c];
+            rms_norm(h, L->norm_pre_ff, H, L->eps, x);
+        } else {
+            for (int64_t c = 0; c < H; c++) h[c] = h[c] + o[c];
+            rms_norm(h, L->norm_post_attn, H, L->eps, x);
+        }
+    }
+    linear(&L->gate_up, S->x, rows, S->gu);
+    const int64_t I = L->inter;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *g = S->gu + i * 2 * I, *u = g + I;
+        float *a = S->act + i * I;
+        for (int64_t c = 0; c < I; c++) a[c] = (L->gemma ? gelu_tanh(g[c]) : silu(g[c])) * u[c];
+    }
+    linear(&L->down, S->act, rows, S->o);
+    for (int64_t i = 0; i < rows; i++) {
+        float *h = hidden + i * H, *o = S->o + i * H;
+        if (L->gemma) rms_norm(o, L->norm_post_ff, H, L->eps, o);
+        for (int64_t c = 0; c < H; c++) h[c] = h[c] + o[c];
+    }
+}

@@ -1,0 +1,167 @@
+"""Decoder layers as one native call each (``csrc/layer.c``), for forwards of up to 16 rows.
+
+Why: once the matrix products run on ``skinny.c``, what is left of a decode step is ~25 small
+torch calls per layer (norms, rotary embedding, cache write, attention, activation, residuals),
+~9 ms of a ~19 ms SmolLM2 draft step. ``layer.c`` does them in plain loops around the same
+products. It computes every row on its own, so a forward stays row-count invariant (lossless
+verification); it rounds differently from the torch path (``tests/test_loop.py`` bounds the
+difference), which is why one model always uses one path for every forward of up to 16 rows.
+
+Used only when every linear of the model is a fusable ``NativeLinear`` (``--kernels native``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from uag.kernels import ROWWISE_MAX_ROWS
+from uag.native import NativeLinear
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("weight", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("in_", ctypes.c_int64),
+        ("out", ctypes.c_int64),
+        ("int8", ctypes.c_int64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("gemma", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scaling", ctypes.c_float),
+        ("norm_in", ctypes.c_void_p),
+        ("norm_post_attn", ctypes.c_void_p),
+        ("norm_pre_ff", ctypes.c_void_p),
+        ("norm_post_ff", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "qkv", "attn", "o", "gu", "act")]
+
+
+def _linear(layer: NativeLinear | None) -> _Linear | None:
+    """The C view of a native linear whose widths need no padding, else None."""
+    if not isinstance(layer, NativeLinear):
+        return None
+    if layer.padded_in != layer.in_features or layer.padded_out != layer.out_features:
+        return None
+    return _Linear(
+        layer.weight_ilv.data_ptr(),
+        layer.scales.data_ptr() if layer.int8 else None,
+        None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
+        layer.in_features,
+        layer.out_features,
+        int(layer.int8),
+    )
+
+
+MAX_ROWS = ROWWISE_MAX_ROWS
+"""Rows per call the scratch buffers hold (longer forwards, prompt prefill, use torch)."""
+
+
+class NativeLayers:
+    """Every layer of a ``uag.lean.LeanBody`` as a ``layer.c`` call; build with ``for_body``."""
+
+    def __init__(self, body: Any, structs: list[_Layer], keep: list[Any]) -> None:
+        self.body = body
+        self.structs = structs
+        self._keep = keep  # tensors the structs point into
+        self._call = body.layers[0].qkv.lib.uag_decoder_layer
+        hq, hkv, d = body.groups * body.kv_heads, body.kv_heads, body.head_dim
+        hidden, inter = structs[0].hidden, structs[0].inter
+        widths = {
+            "x": hidden,
+            "qkv": (hq + 2 * hkv) * d,
+            "attn": hq * d,
+            "o": hidden,
+            "gu": 2 * inter,
+            "act": inter,
+        }
+        self._buffers = {k: torch.empty(MAX_ROWS, w) for k, w in widths.items()}
+        self.scratch = _Scratch(**{k: b.data_ptr() for k, b in self._buffers.items()})
+
+    @classmethod
+    def for_body(cls, body: Any) -> NativeLayers | None:
+        """The native layers of ``body``, or None where a piece does not fit ``layer.c``."""
+        if body.device.type != "cpu" or body.dtype != torch.float32:
+            return None
+        structs, keep = [], []
+        for index, layer in enumerate(body.layers):
+            pieces = [_linear(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in pieces):
+                return None
+            norms = [n.weight.contiguous() for n in layer.norms]
+            qk = [n.weight.contiguous() for n in layer.qk_norms] if layer.qk_norms else []
+            keep += norms + qk
+            window = body.window if body.layer_types[index] == "sliding_attention" else None
+            gemma = body.gemma
+            struct = _Layer(
+                hidden=layer.o.out_features,
+                heads=body.groups * body.kv_heads,
+                kv_heads=body.kv_heads,
+                head_dim=body.head_dim,
+                inter=layer.down.in_features,
+                gemma=int(gemma),
+                window=window or 0,
+                eps=layer.norms[0].eps,
+                scaling=body.scaling,
+                norm_in=norms[0].data_ptr(),
+                norm_post_attn=norms[1].data_ptr(),
+                norm_pre_ff=norms[2].data_ptr() if gemma else None,
+                norm_post_ff=norms[3].data_ptr() if gemma else None,
+                q_norm=qk[0].data_ptr() if qk else None,
+                k_norm=qk[1].data_ptr() if qk else None,
+                qkv=pieces[0],
+                o=pieces[1],
+                gate_up=pieces[2],
+                down=pieces[3],
+            )
+            structs.append(struct)
+        return cls(body, structs, keep)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cache: Any,
+        start: int,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """``hidden`` ``[n, h]`` (n ≤ ``MAX_ROWS``, updated in place) through every layer."""
+        n = hidden.shape[0]
+        scratch = ctypes.byref(self.scratch)
+        for index, struct in enumerate(self.structs):
+            cos, sin = rope[self.body.layer_types[index]]
+            self._call(
+                ctypes.byref(struct),
+                hidden.data_ptr(),
+                n,
+                start,
+                cache.keys[index].data_ptr(),
+                cache.values[index].data_ptr(),
+                cache.capacity,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                scratch,
+            )
+        return hidden
