@@ -145,6 +145,8 @@ def test_replay_gate_skips_iterations():
     assert gated.tokens_per_s == pytest.approx((1 + 3) / (10 + 16))
     t, g, best = replay.best_learned(its, profile)
     assert 0.1 < g <= 0.9 and best.tokens_per_s == pytest.approx(gated.tokens_per_s)
+    t, g, best = replay.best_learned(its, profile, gate=False)  # --no-gate: never skips
+    assert g == 0.0 and best.tokens_per_s == pytest.approx(never.tokens_per_s)
 
 
 def test_build_iterations_carries_gate_scores(tmp_path):

@@ -184,11 +184,16 @@ def learned(
 
 
 def best_learned(
-    its: Iterations, profile: LatencyProfile, grid: np.ndarray | None = None
+    its: Iterations,
+    profile: LatencyProfile,
+    grid: np.ndarray | None = None,
+    *,
+    gate: bool = True,
 ) -> tuple[float, float, SimResult]:
-    """(stop threshold, gate threshold, result) maximising simulated throughput."""
+    """(stop threshold, gate threshold, result) maximising simulated throughput; ``gate=False``
+    keeps the gate threshold at 0 (never skip a round)."""
     grid = PROB_GRID if grid is None else grid
-    gates = np.concatenate([[0.0], grid]) if its.gate is not None else np.array([0.0])
+    gates = np.concatenate([[0.0], grid]) if gate and its.gate is not None else np.array([0.0])
     best: tuple[float, float, SimResult] | None = None
     for g in gates:
         for t in grid:

@@ -40,6 +40,8 @@ class TrainConfig:
     devices: str = "auto"
     strategy: str = "auto"
     num_nodes: int = 1
+    gate: bool = True
+    """Learn a gate that may skip drafting a round; False: only the stop rule (gate 0)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -150,7 +152,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     auc = {"mlp": _auc(val_set.labels, scores), **_baselines(train_set, val_set)}
     its = iterations_with_scores(net, val_set)
     profile = val_set.profile
-    threshold, gate_threshold, learned = replay.best_learned(its, profile)
+    threshold, gate_threshold, learned = replay.best_learned(its, profile, gate=cfg.gate)
     _, conf_best = replay.best_threshold(
         its,
         profile,

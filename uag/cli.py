@@ -468,6 +468,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="machines for multi-node training (default: %(default)s)",
     )
+    p.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_false",
+        help="never skip drafting a round (gate threshold 0): only the stop rule is learned. "
+        "The gate's features describe the previous rounds, so a gate trained on always-draft "
+        "data can lock into skipping at run time (issue 9)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -486,6 +494,7 @@ def run_train(args: argparse.Namespace) -> int:
         devices=args.devices,
         strategy=args.strategy,
         num_nodes=args.num_nodes,
+        gate=args.gate,
     )
     summary = train(cfg)
     print(summary.table())

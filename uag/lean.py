@@ -14,6 +14,9 @@ replaces only what surrounds them:
   SDPA call over exactly the keys it may see, with no mask, so a row's result cannot depend on
   how many rows share the forward (what lossless verification needs); longer forwards (prompt
   prefill, the same call in every mode) run one masked call.
+* q/k/v and gate/up fused into one product each, norms as one ``F.rms_norm``; and with the native
+  kernels each layer of a forward of up to 16 rows is one call into ``csrc/layer.c``
+  (``uag.native_layer``), also row by row.
 
 Anything else (other architectures, attention soft-capping, bidirectional attention) keeps the
 Transformers path: ``lean_body_for`` returns None and ``CachedLM`` falls back.

@@ -38,6 +38,8 @@ SOURCES = (
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK_ROWS, K_STEP = 4, 8
 """The kernel's interleaved layout: blocks of 4 output rows, 8 inputs per step."""
+CHUNK_ROWS = 16384
+"""Output rows converted at a time when building a layer (a multiple of ``BLOCK_ROWS``)."""
 
 
 def _torch_openmp() -> Path | None:
@@ -170,18 +172,30 @@ class NativeLinear(nn.Module):
         self.lib = lib if lib is not None else _library()[0]
         if self.lib is None:
             raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
-        weight = linear.weight.detach().float()
+        weight = linear.weight.detach()
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
         self.padded_in = _ceil(self.in_features, K_STEP)
         self.int8 = int8
-        scales = torch.ones(self.out_features)
-        if int8:
-            weight, scales = symmetric_int8(weight)
         self.weight_ilv: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("weight_ilv", interleave(weight))
-        self.register_buffer("scales", F.pad(scales, (0, self.padded_out - self.out_features)))
+        blocks, steps = self.padded_out // BLOCK_ROWS, self.padded_in // K_STEP
+        dtype = torch.int8 if int8 else torch.float32
+        self.register_buffer(
+            "weight_ilv", torch.empty(blocks, steps, BLOCK_ROWS, K_STEP, dtype=dtype)
+        )
+        self.register_buffer("scales", torch.zeros(self.padded_out))
+        # Chunk by chunk: converting a 262k-row head at once would hold several full-size
+        # temporaries (abs, quotient, rounding) at the peak.
+        for start in range(0, self.out_features, CHUNK_ROWS):
+            part = weight[start : start + CHUNK_ROWS].float()
+            scales = torch.ones(part.shape[0])
+            if int8:
+                part, scales = symmetric_int8(part)
+            ilv = interleave(part)
+            first = start // BLOCK_ROWS
+            self.weight_ilv[first : first + ilv.shape[0]] = ilv
+            self.scales[start : start + part.shape[0]] = scales
         bias = linear.bias
         self.bias_padded: torch.Tensor | None = (
             None
