@@ -31,7 +31,7 @@ demo: $(STAMP)
 	$(BIN)/uag collect --prompts mixed:train --limit 6 --max-new-tokens 32 --max-lookahead 6 \
 		--assistant-int8 --out $(DEMO)/collected --overwrite --logdir $(DEMO)/tb-collect
 	@echo "== 3/5 train: a small controller on that data (the shipped one used 120 prompts)"
-	$(BIN)/uag train-controller --data $(DEMO)/collected --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10
+	$(BIN)/uag train-controller --data $(DEMO)/collected --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10 --no-gate
 	@echo "== 4/5 generate with the shipped controller, checked token-identical to the target alone"
 	$(BIN)/uag generate --controller exports/ctrl.onnx --assistant-int8 --max-new-tokens 64 --compare-target-only \
 		--prompt "def is_prime(n: int) -> bool:"

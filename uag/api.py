@@ -81,7 +81,7 @@ class Pair:
     assistant_lm: CachedLM = field(repr=False)
     assistant_int8: bool = False
     kernels: str = "plain"
-    """Linear kernels the target runs on: ``onednn`` (packed, CPU fp32) or ``plain``."""
+    """Kernels the models run on: ``native`` (uag's, CPU fp32), ``onednn`` or ``plain``."""
 
 
 @dataclass
@@ -199,9 +199,9 @@ def make_pair(
 ) -> Pair:
     """A pair from models already in memory (e.g. your own, or tiny ones in tests).
 
-    With ``onednn`` kernels the models' linear layers are swapped in place for packed ones and
-    the target's attention runs row by row (``uag.kernels``): to time stock Transformers, load a
-    separate copy.
+    With ``native`` or ``onednn`` kernels the models' linear layers are swapped in place (and
+    Transformers' attention set to row by row, for models without a lean forward; see
+    ``uag.kernels``): to time stock Transformers, load a separate copy.
     """
     mode = resolve_kernels(kernels, target.device, target.dtype)
     fast_head = None
