@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 DEMO := runs/demo
-## The main job on the embedded default models (Gemma 3 270M <- SmolLM2 135M), ~9 min on 2 cores once installed:
+## The main job on the embedded default models (Gemma 3 270M <- SmolLM2 135M), ~4 min on 2 cores once installed:
 ## prepare models -> a small collect -> train a controller -> generate with the shipped one -> bench.
 demo: $(STAMP)
 	@echo "== 1/5 models: convert the embedded GGUF files once (cached in $${UAG_CACHE:-~/.cache/uag})"
