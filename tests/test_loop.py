@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -132,6 +134,26 @@ def test_logits_after_crop_equal_fresh_prefill(tokenizers):
     ids = list(range(100, 140))
     after_crop, expected = logits_after_crop_and_fresh(model, ids, [5, 6, 7, 8, 9], 77)
     torch.testing.assert_close(after_crop, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_lean_forward_in_bfloat16_is_silent_and_agrees(tokenizers, family):
+    """The dtype GPUs run (bf16): the lean forward warns nothing and stays close to
+    Transformers' (bf16 rounding differs between the two by design, so the bound is loose)."""
+    vocab = len(tokenizers[0])
+    model = tiny_gemma(vocab) if family == "gemma" else tiny_llama(vocab)
+    model = model.to(torch.bfloat16)
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for lean in (True, False):
+            lm = CachedLM(model, lean=lean)
+            lm.reset(list(range(5, 40)), rollback=True)
+            lm.forward()
+            lm.ids.extend([7, 8, 9])
+            outs.append(lm.logits(lm.forward()))
+    assert outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05)
 
 
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")

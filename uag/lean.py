@@ -89,6 +89,8 @@ class _Norm:
         self.shape = (int(weight.shape[0]),)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:  # bf16/fp16 (GPUs): normalise in fp32, as Transformers
+            return F.rms_norm(x.float(), self.shape, self.weight, self.eps).to(x.dtype)
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
