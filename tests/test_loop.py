@@ -12,6 +12,7 @@ from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, 
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import (
     cross_pair,
+    feed_both_and_compare,
     logits_after_crop_and_fresh,
     one_row_vs_chunked_logits,
     same_tokenizer_pair,
@@ -113,20 +114,9 @@ def test_lean_forward_matches_transformers(tokenizers, family):
     assert lean.lean is not None and ref.lean is None
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (120,), generator=gen).tolist()
-    for lm in (lean, ref):
-        lm.reset(ids[:40], rollback=True)
-    pos = 40
-    for chunk in (1, 3, 20, 1, 9, 17, 2):
-        outs = []
-        for lm in (lean, ref):
-            lm.ids.extend(ids[pos : pos + chunk])
-            outs.append(lm.logits(lm.forward()))
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-        pos += chunk
-        if chunk == 9:  # reject five of them: both roll back
-            for lm in (lean, ref):
-                lm.truncate(pos - 5)
-            pos -= 5
+    feed_both_and_compare(
+        lean, ref, ids, prefill=40, chunks=(1, 3, 20, 1, 9, 17, 2), reject=5, tol=1e-5
+    )
 
 
 def test_logits_after_crop_equal_fresh_prefill(tokenizers):
@@ -170,20 +160,10 @@ def test_native_layers_match_the_torch_path(tokenizers, family):
     assert fast.lean.native is not None
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (90,), generator=gen).tolist()
-    for lm in (fast, torch_path):
-        lm.reset(ids[:12], rollback=True)  # a 12-token prefill: also native (≤ 16 rows)
-    pos = 12
-    for chunk in (1, 16, 3, 9, 1, 5):
-        outs = []
-        for lm in (fast, torch_path):
-            lm.ids.extend(ids[pos : pos + chunk])
-            outs.append(lm.logits(lm.forward()))
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
-        pos += chunk
-        if chunk == 9:
-            for lm in (fast, torch_path):
-                lm.truncate(pos - 4)
-            pos -= 4
+    # A 12-token prefill: also native (≤ 16 rows).
+    feed_both_and_compare(
+        fast, torch_path, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=1e-4
+    )
     alone, chunked = one_row_vs_chunked_logits(fast, ids[:10], ids[10:60])
     assert torch.equal(alone, chunked)
 

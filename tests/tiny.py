@@ -35,6 +35,28 @@ def logits_after_crop_and_fresh(model, ids: list[int], rejected: list[int], next
     return after, fresh.logits(fresh.forward()[-1:])
 
 
+def feed_both_and_compare(
+    a, b, ids: list[int], *, prefill: int, chunks, reject: int, tol: float
+) -> None:
+    """Feed ``ids`` to two ``CachedLM``s (same model, different forwards) after a ``prefill``,
+    in ``chunks``, asserting equal logits within ``tol``; after the 9-row chunk both roll back
+    ``reject`` positions, as a verify rejecting a draft does."""
+    for lm in (a, b):
+        lm.reset(ids[:prefill], rollback=True)
+    pos = prefill
+    for chunk in chunks:
+        outs = []
+        for lm in (a, b):
+            lm.ids.extend(ids[pos : pos + chunk])
+            outs.append(lm.logits(lm.forward()))
+        torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+        pos += chunk
+        if chunk == 9:
+            for lm in (a, b):
+                lm.truncate(pos - reject)
+            pos -= reject
+
+
 def one_row_vs_chunked_logits(lm, prompt: list[int], tokens: list[int], seed: int = 0):
     """Logits for every token fed one per forward (target-alone) and in random chunks of 1–9
     (verification): a row-count-invariant forward makes them bitwise equal."""
