@@ -155,12 +155,14 @@ def test_screened_head_argmax_is_exact_at_a_near_tie_int8_gets_wrong():
     screened = ScreenedHead(head)
     logits = screened(x)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert screened.greedy(x)[0] == exact.argmax(-1).tolist()  # the argmax from the candidates
     assert logits[0, b] == exact[0, b] and logits[0, a] == exact[0, a]  # both computed exactly
     for row in range(3):  # each row alone: the same values (row-count invariant)
         assert torch.equal(screened(x[row : row + 1])[0], logits[row])
     screened.row_bound = torch.zeros_like(screened.row_bound)  # no error bound: wrong token
     screened.ABSOLUTE_SLACK = 0.0
     assert int(screened(x)[0].argmax()) == a
+    assert screened.greedy(x)[0][0] == a
 
 
 @needs_native
@@ -172,8 +174,9 @@ def test_screened_head_matches_fp32_on_random_heads():
         head = nn.Linear(96, 2000, bias=trial % 2 == 0)
         x = torch.randn(5, 96) * (1 + trial)
         exact = native.NativeLinear(head)(x)
-        logits = ScreenedHead(head)(x)
+        ids, logits = ScreenedHead(head).greedy(x)
         top = exact.argmax(-1)
+        assert ids == top.tolist()
         assert torch.equal(logits.argmax(-1), top)
         assert torch.equal(logits[torch.arange(5), top], exact[torch.arange(5), top])
 

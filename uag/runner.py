@@ -132,6 +132,10 @@ class GreedyHead:
 
     def __call__(self, hidden: torch.Tensor) -> HeadOutput:
         """``hidden``: [n, h] → argmax ids [n], keeping the logits for statistics and margins."""
+        greedy = getattr(self.fast, "greedy", None)
+        if greedy is not None:  # the exact screened head finds the argmax itself
+            ids, logits = greedy(hidden.float())
+            return HeadOutput(ids, logits)
         if self.fast is not None:
             logits = self.fast(hidden.float())  # [n, V]
         else:

@@ -51,23 +51,53 @@ class ScreenedHead(nn.Module):
         self.out_features = self.approx.out_features
         self.in_features = self.approx.in_features
         coefficient = error_bound(self.in_features)
-        self.row_bound = self.approx.scales[: self.out_features] * coefficient  # [V]
+        self.row_bound = (self.approx.scales[: self.out_features] * coefficient).contiguous()
         self.invariance = "invariant"
         self.last_candidates = 0
         """Candidates in the last call (all rows together): how much exact work screening left."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.greedy(hidden)[1]
+
+    def greedy(self, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """``hidden [..., h]`` → (fp32 argmax per row, logits ``[..., V]``).
+
+        The argmax is taken over the candidates only: a non-candidate's int8 logit is below
+        the floor, which some candidate's exact logit reaches, so it can never win (not even a
+        tie), and no full-vocabulary argmax pass is needed.
+        """
         x = hidden.reshape(-1, self.in_features).float().contiguous()  # [n, h]
         logits = self.approx(x)  # [n, V]
-        bound = x.abs().sum(dim=-1, keepdim=True) * self.row_bound + self.ABSOLUTE_SLACK
-        floor = (logits - bound).amax(dim=-1, keepdim=True)  # some row's fp32 logit is ≥ this
-        rows, cols = torch.nonzero(logits + bound >= floor, as_tuple=True)
+        rows, cols = self._candidates(logits, x.abs().sum(dim=-1))
         self.last_candidates = int(cols.numel())
-        if cols.numel():
-            union, where = torch.unique(cols, return_inverse=True)
-            exact = _exact_product(x, self.weight[union], self.bias, union)  # [n, |union|]
-            logits[rows, cols] = exact[rows, where]
-        return logits.reshape(*hidden.shape[:-1], self.out_features)
+        union, where = torch.unique(cols, return_inverse=True)
+        exact = _exact_product(x, self.weight[union], self.bias, union)[rows, where]
+        logits[rows, cols] = exact
+        ids = []
+        for r in range(x.shape[0]):  # candidates are sorted by id within a row: ties go low
+            mine = rows == r
+            ids.append(int(cols[mine][exact[mine].argmax()]))
+        return ids, logits.reshape(*hidden.shape[:-1], self.out_features)
+
+    def _candidates(
+        self, logits: torch.Tensor, norms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, id) of every token whose interval reaches its row's floor (``csrc/screen.c``)."""
+        n = logits.shape[0]
+        cap = 64 * n
+        lib = self.approx.lib
+        assert lib is not None  # NativeLinear refuses to exist without it
+        while True:
+            rows = torch.empty(cap, dtype=torch.int64)
+            cols = torch.empty(cap, dtype=torch.int64)
+            count = lib.uag_screen(
+                logits.data_ptr(), n, self.out_features, logits.stride(0),
+                self.row_bound.data_ptr(), norms.contiguous().data_ptr(), self.ABSOLUTE_SLACK,
+                rows.data_ptr(), cols.data_ptr(), cap,
+            )  # fmt: skip
+            if count >= 0:
+                return rows[:count], cols[:count]
+            cap = n * self.out_features  # rare (near-flat distributions): room for everything
 
 
 def _exact_product(

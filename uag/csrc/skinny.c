@@ -1,104 +1,151 @@
 /* Skinny matrix products for decoding on AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
  *
  * Why: a decode or verify step multiplies 1-16 activation rows by every weight matrix once, so
- * its cost is reading the weights. This kernel streams each weight once per call, whatever M,
- * strictly sequentially (the weight is stored interleaved, see below), with the activation rows
- * in L1. Measured on 2 Zen 3 cores: Gemma 3's 262,144 x 640 head in ~28-38 ms for one row
- * (19-24 GB/s, the machine's read bandwidth), where oneDNN's packed GEMM takes ~57 ms.
+ * its cost should be one read of the weights. This kernel streams each weight once per tile of
+ * outputs, with the activation rows in L1, and keeps enough independent accumulators in
+ * registers that several rows cost little more than one: the classic outer-product micro-kernel
+ * (broadcast one activation, multiply a vector of 8 outputs' weights), register-blocked as
+ * mb rows x nv vectors. Measured on 2 Zen 3 cores (FMA peak ~174 GFLOP/s): fp32 layers in cache
+ * at ~125 GFLOP/s for 3-9 rows (the previous dot-product kernel: ~80), Gemma 3's int8
+ * 262,144 x 640 head in ~11 ms for 1 row and ~27 ms for 8 (previously ~11 and ~45).
  *
- * Row-count invariance by construction (what lossless verification needs): output (m, n) is
- * always accumulated the same way -- eight float lanes, fused multiply-adds over k in order, one
- * fixed horizontal sum -- no matter how many rows share the call, which rows they are grouped
- * with, or how outputs are split across threads. Built without -ffast-math and with
- * -ffp-contract=off so the compiler cannot reassociate or fuse differently in different places.
+ * Row-count invariance by construction (what lossless verification needs): output (m, n) is one
+ * float lane accumulated by fused multiply-adds over k = 0, 1, ..., K-1 in order, then scaled
+ * and biased, whatever the register blocking, how many rows share the call or which thread
+ * computes it. Built without -ffast-math and with -ffp-contract=off so the compiler cannot
+ * reassociate or fuse differently in different places.
  *
- * Weight layout ("interleaved"): blocks of NB = 4 output rows, each block stored as
- * [K / 8][4][8] floats (or int8), so K % 8 == 0 and N % 4 == 0 (the caller pads). Weights are
- * fp32, or int8 with one float scale per output row (weight-only quantisation:
+ * Weight layout: [N / 8][K][8] -- eight outputs' weights side by side for every k, so a tile of
+ * nv vectors is nv sequential streams (N % 8 == 0; the caller pads). Weights are fp32, or int8
+ * with one float scale per output (weight-only quantisation:
  * y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]).
  */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define NB 4 /* output rows per block: one sequential stream of 4 x 8 values per k step */
-#define MB 2 /* activation rows per pass over a block: 8 accumulators + 4 weights + 1 x */
+#define LANES 8 /* outputs per vector; the weight is stored as [N/8][K][8] */
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-    return _mm_cvtss_f32(s);
-}
-
-static inline __m256 load_f32(const float *w) { return _mm256_loadu_ps(w); }
-
-static inline __m256 load_i8(const int8_t *w) {
+static inline __attribute__((always_inline)) __m256 w_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline __attribute__((always_inline)) __m256 w_i8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
 
-/* Rows [m0, m0 + mb) against the block of outputs [n0, n0 + NB); mb <= MB. Inlined with a
- * constant mb so the accumulators live in registers; the operations for a given (m, n) are the
- * same whatever mb is. */
-#define BLOCK(NAME, WTYPE, LOADW, FINISH)                                                     \
-    static inline __attribute__((always_inline)) void NAME(                                   \
-        const float *x, int64_t ldx, int64_t m0, const int mb, int64_t K, const WTYPE *wb,    \
-        const float *scale, int64_t n0, const float *bias, float *y, int64_t ldy,             \
-        const int prefetch) {                                                                 \
-        __m256 acc[MB][NB];                                                                   \
-        for (int i = 0; i < MB; i++)                                                          \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                     \
-        for (int64_t k = 0; k < K; k += 8) {                                                  \
-            if (prefetch) { /* a block ahead, while this one is computed from L1 */           \
-                const char *next = (const char *)(wb + prefetch * NB * K + k * NB);           \
-                _mm_prefetch(next, _MM_HINT_T0);                                              \
-                _mm_prefetch(next + 64, _MM_HINT_T0);                                         \
-            }                                                                                 \
-            __m256 wv[NB];                                                                    \
-            for (int j = 0; j < NB; j++) wv[j] = LOADW(wb + k * NB + j * 8);                  \
-            for (int i = 0; i < mb; i++) {                                                    \
-                const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * ldx + k);                    \
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]); \
-            }                                                                                 \
-        }                                                                                     \
-        for (int i = 0; i < mb; i++) {                                                        \
-            for (int j = 0; j < NB; j++) {                                                    \
-                const int64_t n = n0 + j;                                                     \
-                float s = hsum(acc[i][j]);                                                    \
-                FINISH;                                                                       \
-                y[(m0 + i) * ldy + n] = s;                                                    \
-            }                                                                                 \
-        }                                                                                     \
+/* Rows [0, mb) of x against nv vectors of outputs, for k in [k0, k1): adds to the
+ * accumulators in state (row i, vector j at state[i * 8 + j]). mb and nv are constants after
+ * inlining, so the accumulators live in registers within the k loop. */
+#define KERNEL(NAME, WTYPE, LOADW)                                                             \
+static inline __attribute__((always_inline)) void NAME(                                        \
+    const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K,              \
+    const WTYPE *w, const int nv, __m256 *state) {                                             \
+    __m256 acc[6][8];                                                                          \
+    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)                                       \
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = state[i * 8 + j];     \
+    for (int64_t k = k0; k < k1; k++) {                                                        \
+        __m256 wv[8];                                                                          \
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) wv[j] = LOADW(w + (j * K + k) * LANES); \
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {                                 \
+            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);                            \
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)                               \
+                acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);                             \
+        }                                                                                      \
+    }                                                                                          \
+    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)                                       \
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];     \
+}
+
+KERNEL(k_f32, float, w_f32)
+KERNEL(k_i8, int8_t, w_i8)
+
+#define CASE(KFN, MB, NV) case (MB) * 16 + (NV): KFN(x, ldx, MB, k0, k1, K, w, NV, state); break;
+#define CASES(KFN) \
+    CASE(KFN,1,1) CASE(KFN,1,2) CASE(KFN,1,3) CASE(KFN,1,4) CASE(KFN,1,8) \
+    CASE(KFN,2,1) CASE(KFN,2,2) CASE(KFN,2,3) CASE(KFN,2,4) \
+    CASE(KFN,3,1) CASE(KFN,3,2) CASE(KFN,3,3) CASE(KFN,3,4) \
+    CASE(KFN,4,1) CASE(KFN,4,2) CASE(KFN,4,3) \
+    CASE(KFN,5,1) CASE(KFN,5,2) \
+    CASE(KFN,6,1) CASE(KFN,6,2)
+
+static void dispatch_f32(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
+                         const float *w, int nv, __m256 *state) {
+    switch (mb * 16 + nv) { CASES(k_f32) }
+}
+static void dispatch_i8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
+                        const int8_t *w, int nv, __m256 *state) {
+    switch (mb * 16 + nv) { CASES(k_i8) }
+}
+
+/* Register blocking by row count: nv vectors per tile, at most max_rows(nv) rows per pass over
+ * a tile (mb * nv accumulators + nv weights + 1 broadcast <= 16 ymm registers; >= 8
+ * accumulators where possible, since 2 FMA pipes x 4 cycles of latency need 8 in flight). */
+static int tile_vectors(int64_t M) { return M == 1 ? 8 : M <= 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : 3; }
+static int max_rows(int nv) { return nv >= 8 ? 1 : nv == 4 ? 3 : nv == 3 ? 4 : 6; }
+
+#define GROUP 16 /* rows whose accumulators stay in one state buffer (16 x 8 vectors, 4 KB) */
+#define KC 128   /* inputs per chunk when a tile takes several passes */
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T in the layout above, then
+ * per output n: times scale[n] (int8), plus bias[n] (bias may be NULL).
+ *
+ * When a tile needs several passes (more rows than fit in registers), the passes take turns
+ * over chunks of KC inputs, keeping the accumulators in a small buffer between chunks: the
+ * tile's weights then stream from memory once, at an even pace, overlapped with the compute,
+ * instead of stalling the first pass and idling in the others (fp32 layers of Gemma 3, 8 rows:
+ * ~29 ms instead of ~31). int8 tiles are not chunked: their in-register widening, not memory,
+ * bounds them, and chunking measured slower. Chunking changes nothing in the arithmetic: each
+ * output is still one chain of FMAs over k in order. */
+static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int int8,
+                  const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
+    const int64_t vectors = N / LANES;
+    const int nv = tile_vectors(M), most = max_rows(nv);
+    const int64_t tiles = (vectors + nv - 1) / nv;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t v0 = t * nv, n0 = v0 * LANES;
+        const int width = vectors - v0 < nv ? (int)(vectors - v0) : nv;
+        const float *wf = (const float *)w + n0 * K;
+        const int8_t *wq = (const int8_t *)w + n0 * K;
+        for (int64_t g0 = 0; g0 < M; g0 += GROUP) {
+            const int64_t rows = M - g0 < GROUP ? M - g0 : GROUP;
+            const int64_t passes = (rows + most - 1) / most;
+            const int64_t chunk = passes > 1 && !int8 ? KC : K;
+            __m256 state[GROUP * 8];
+            for (int64_t i = 0; i < rows * 8; i++) state[i] = _mm256_setzero_ps();
+            for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+                const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
+                int64_t m0 = 0;
+                for (int64_t p = 0; p < passes; p++) {
+                    const int64_t left = rows - m0, rest = passes - p;
+                    const int mb = (int)((left + rest - 1) / rest);
+                    const float *xm = x + (g0 + m0) * ldx;
+                    __m256 *st = state + m0 * 8;
+                    /* the last tile may be narrower: then one vector at a time */
+                    const int step = width == nv ? nv : 1;
+                    for (int j = 0; j < width; j += step) {
+                        if (!int8)
+                            dispatch_f32(xm, ldx, mb, k0, k1, K, wf + j * LANES * K, step, st + j);
+                        else
+                            dispatch_i8(xm, ldx, mb, k0, k1, K, wq + j * LANES * K, step, st + j);
+                    }
+                    m0 += mb;
+                }
+            }
+            for (int64_t i = 0; i < rows; i++)
+                for (int j = 0; j < width; j++) {
+                    __m256 s = state[i * 8 + j];
+                    if (scale) s = _mm256_mul_ps(s, _mm256_loadu_ps(scale + n0 + j * LANES));
+                    if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + n0 + j * LANES));
+                    _mm256_storeu_ps(y + (g0 + i) * ldy + n0 + j * LANES, s);
+                }
+        }
     }
+}
 
-BLOCK(block_f32, float, load_f32, (void)scale; if (bias) s += bias[n])
-BLOCK(block_i8, int8_t, load_i8, s *= scale[n]; if (bias) s += bias[n])
-
-
-/* Every row pass over block b. AHEAD: how many blocks ahead the first pass prefetches (0:
- * none). Measured on 2 Zen 3 cores: fp32 with 1-2 rows streams at the full read bandwidth on
- * the hardware prefetcher alone, and with more rows gains from fetching the next block; int8
- * (SmolLM2-shaped, 1 row) gains ~12 % from fetching two blocks ahead. */
-#define PASSES(BLOCKFN, WB, AHEAD)                                                            \
-    do {                                                                                      \
-        const int pf = b + (AHEAD) < blocks ? (AHEAD) : 0;                                    \
-        int64_t m0 = 0;                                                                       \
-        for (; m0 + 2 <= M; m0 += 2)                                                          \
-            BLOCKFN(x, ldx, m0, 2, K, WB, scale, b * NB, bias, y, ldy, m0 == 0 ? pf : 0);     \
-        if (m0 < M) BLOCKFN(x, ldx, m0, 1, K, WB, scale, b * NB, bias, y, ldy, m0 == 0 ? pf : 0); \
-    } while (0)
-
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T in the interleaved layout,
- * then per output n: times scale[n] (int8 only), plus bias[n] (bias may be NULL). */
 void uag_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
                     const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    const int64_t blocks = N / NB;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) PASSES(block_f32, w + b * NB * K, M > 2 ? 1 : 0);
+    drive(x, ldx, M, K, w, 0, scale, N, bias, y, ldy);
 }
 
 void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    const int64_t blocks = N / NB;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) PASSES(block_i8, w + b * NB * K, 2);
+    drive(x, ldx, M, K, w, 1, scale, N, bias, y, ldy);
 }
