@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.tiny import one_clean_line
@@ -33,6 +35,11 @@ def test_generate_help_explains_flags(capsys):
         "--json",
         "--assistant-int8",
         "--kernels",
+        "--sample",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--seed",
     ):
         assert flag in out
 
@@ -46,11 +53,39 @@ def test_generate_help_explains_flags(capsys):
         (["generate", "--prompt", "a", "--prompt", "b"], "batch size 1"),
         (["generate", "--prompt", "x", "--device", "tpu"], "unknown device"),
         (["models", "prepare", "not-a-model"], "cannot prepare"),
+        (
+            ["generate", "--prompt", "x", "--sample", "--temperature", "0"],
+            "temperature must be > 0",
+        ),
+        (["generate", "--prompt", "x", "--sample", "--temperature", "-1"], "temperature must be"),
+        (["generate", "--prompt", "x", "--sample", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--sample", "--top-p", "0"], "top-p must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--sample", "--top-k", "0"], "top-k must be >= 1"),
+        (["generate", "--prompt", "x", "--temperature", "0.7"], "only apply with --sample"),
+        (["generate", "--prompt", "x", "--sample", "--compare-target-only"], "token identity"),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv, message):
     assert main(argv) == 2
     assert message in one_clean_line(capsys)
+
+
+def test_seed_must_be_an_integer(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "x", "--sample", "--seed", "1.5"])
+    assert exc.value.code == 2
+    assert "--seed must be an integer" in one_clean_line(capsys)
+
+
+def test_seeded_sampling_is_reproducible_from_the_cli(tiny_dirs, capsys):
+    target_dir, assistant_dir = tiny_dirs
+    argv = ["generate", "--target", str(target_dir), "--assistant", str(assistant_dir)]
+    argv += ["--prompt", "def f(x):", "--max-new-tokens", "12", "--json", "--sample"]
+    outs = []
+    for seed in ("3", "3", "4"):
+        assert main([*argv, "--seed", seed, "--temperature", "1.3", "--top-k", "50"]) == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+    assert outs[0] == outs[1] != outs[2]
 
 
 def test_unknown_kernels_is_one_line(capsys):

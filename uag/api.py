@@ -35,6 +35,13 @@ from uag.models import (
     resolve_dtype,
 )
 from uag.runner import CachedLM
+from uag.sampling import (
+    Intersection,
+    SamplingConfig,
+    special_ids,
+    speculative_sample,
+    target_only_sample,
+)
 from uag.speculative import IterationRecord, StopReason, speculative_generate, target_only_generate
 
 DEFAULT_TARGET = "gemma-3-270m"
@@ -82,6 +89,17 @@ class Pair:
     assistant_int8: bool = False
     kernels: str = "plain"
     """Kernels the models run on: ``native`` (uag's, CPU fp32), ``onednn`` or ``plain``."""
+    _intersection: Intersection | None = field(default=None, repr=False)
+
+    def intersection(self) -> Intersection:
+        """The vocabulary intersection speculative sampling drafts from (built on first use)."""
+        if self._intersection is None:
+            self._intersection = Intersection.build(
+                self.bridge,
+                target_special=special_ids(self.target.tokenizer),
+                assistant_special=special_ids(self.assistant.tokenizer),
+            )
+        return self._intersection
 
 
 @dataclass
@@ -274,8 +292,10 @@ def generate(
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     keep_steps: bool = False,
+    sampling: SamplingConfig | None = None,
 ) -> GenerationResult:
-    """Greedy generation; ``policy=None`` runs the target alone (the reference output).
+    """Greedy generation, or sampling with ``sampling``; ``policy=None`` runs the target alone
+    (the reference: the same output when greedy, the same distribution when sampling).
 
     ``on_text`` receives decoded text as it is accepted (whole characters only).
     """
@@ -293,7 +313,33 @@ def generate(
     target_ids, assistant_ids = encode_prompt(pair, text_prompt)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
-    if policy is None:
+    if sampling is not None:
+        if keep_steps:
+            raise UagError("keep_steps (collection) is greedy only for now")
+        if policy is None:
+            out = target_only_sample(
+                target=pair.target_lm,
+                target_eos=pair.target.eos_ids,
+                prompt_ids=target_ids,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                on_tokens=stream,
+            )
+        else:
+            out = speculative_sample(
+                target=pair.target_lm,
+                assistant=pair.assistant_lm,
+                bridge=pair.bridge,
+                intersection=pair.intersection(),
+                target_eos=pair.target.eos_ids,
+                prompt_target_ids=target_ids,
+                prompt_assistant_ids=assistant_ids,
+                policy=policy,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                on_tokens=stream,
+            )
+    elif policy is None:
         out = target_only_generate(
             target=pair.target_lm,
             target_eos=pair.target.eos_ids,

@@ -137,6 +137,47 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one JSON object as the last stdout line (no streaming)",
     )
+    s = p.add_argument_group(
+        "sampling",
+        "--sample draws from the target's distribution instead of taking its argmax; speculative "
+        "sampling (token-level intersection) keeps that distribution exactly, whatever the "
+        "assistant and the lookahead",
+    )
+    s.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    s.add_argument("--temperature", type=float, default=None, help="> 0 (default 1.0)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default 1)")
+    s.add_argument("--top-k", type=int, default=None, help="keep the k most probable (>= 1)")
+    s.add_argument(
+        "--seed", type=_integer("--seed"), default=None, help="seeds the run (default: random)"
+    )
+
+
+def _integer(flag: str) -> Any:
+    def parse(value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {value!r}") from None
+
+    return parse
+
+
+def sampling_config(args: argparse.Namespace) -> Any:
+    """``SamplingConfig`` from ``--sample`` and its settings, or None for greedy decoding."""
+    from uag.sampling import SamplingConfig
+
+    given = [f for f in ("temperature", "top_p", "top_k", "seed") if getattr(args, f) is not None]
+    if not args.sample:
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise UagError(f"{flags} only apply with --sample")
+        return None
+    return SamplingConfig(
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
 
 
 def make_policy(name: str, *, lookahead: int | None, threshold: float | None) -> Any:
@@ -190,6 +231,12 @@ def run_generate(args: argparse.Namespace) -> int:
     import uag
 
     prompt = _read_prompt(args)
+    sampling = sampling_config(args)
+    if sampling is not None and args.compare_target_only:
+        raise UagError(
+            "--compare-target-only checks token identity, which sampled outputs do not have "
+            "(they match the target in distribution; tests/test_sampling.py checks that)"
+        )
     name = args.policy or ("learned" if args.controller else "static")
     if args.controller is not None and name != "learned":
         raise UagError(f"--controller goes with the learned policy, not --policy {name}")
@@ -218,7 +265,13 @@ def run_generate(args: argparse.Namespace) -> int:
             assistant_int8=args.assistant_int8,
             device=pair.target.device.type,
         )
-    common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat}
+    if learned is not None and sampling is not None:
+        print(
+            "uag: warning: the controller was trained on greedy decoding; under --sample its "
+            "stop decisions see sampled drafts (output distribution unaffected)",
+            file=sys.stderr,
+        )
+    common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat, "sampling": sampling}
     reference = None
     if args.compare_target_only:
         # Warm both arms up (allocator, thread pools, kernels) outside the measured runs.

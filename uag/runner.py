@@ -46,6 +46,7 @@ class CachedLM:
         self.ids: list[int] = []
         self.cached = 0
         self.cache: Any = None
+        self._full: nn.Module | None = None
 
     def reset(self, ids: Sequence[int], *, rollback: bool) -> None:
         """Start a new sequence (a fresh cache; nothing fed yet).
@@ -102,6 +103,32 @@ class CachedLM:
             logits = self.logits(hidden)
             return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
         return self._greedy(hidden)
+
+    @torch.inference_mode()
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every token's float32 logit for the rows of ``hidden`` (soft-capped): what sampling
+        needs, since it reads the whole distribution and not just the argmax.
+
+        Row-count invariant wherever the greedy head's kernel is: with the screened head (native
+        kernels) an fp32 ``NativeLinear`` copy of the head is built on first use (Gemma 3:
+        +671 MB, a few seconds), with oneDNN the packed head itself; elsewhere the model's own
+        head (a GPU's ``F.linear``: a row may round differently with the row count, ~1e-6).
+        """
+        if self._full is None:
+            self._full = self._full_head()
+        out = self._full(hidden).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def _full_head(self) -> nn.Module:
+        from uag.native import NativeLinear
+        from uag.screened import ScreenedHead
+
+        fast = self._greedy.fast if self._greedy is not None else None
+        if isinstance(fast, ScreenedHead):
+            return NativeLinear(self.head)
+        return fast if fast is not None else self.head
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,230 @@
+"""Speculative sampling is lossless in distribution: tests that can fail.
+
+Goodness of fit against the *exact* target distribution (chi-square, p > 0.01, ≥ 20,000
+samples), with a deliberately broken acceptance rule failing the same test; then the whole loop
+on tiny models, cross-tokenizer and same-tokenizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from controllers.rules import StaticPolicy
+from uag.api import encode_prompt
+from uag.errors import UagError
+from uag.sampling import (
+    SamplingConfig,
+    processed_probs,
+    speculative_sample,
+    target_only_sample,
+    verify_draft,
+)
+from uag.speculative import LoopOutput
+
+from .tiny import cross_pair, same_tokenizer_pair
+from .toy import toy_pair
+
+P_MIN = 0.01
+
+
+def _fits(counts: dict, expected: dict[tuple, float], n: int) -> float:
+    """Chi-square p-value of observed ``counts`` against exact probabilities (cells under 5
+    expected samples pooled into one, as the test requires)."""
+    observed, wanted, rest_obs, rest_exp = [], [], 0, 0.0
+    for cell, prob in expected.items():
+        if prob * n >= 5:
+            observed.append(counts.get(cell, 0))
+            wanted.append(prob * n)
+        else:
+            rest_obs += counts.get(cell, 0)
+            rest_exp += prob * n
+    unexpected = sum(v for k, v in counts.items() if k not in expected)
+    observed.append(rest_obs + unexpected)
+    wanted.append(rest_exp)
+    if wanted[-1] == 0:
+        if observed[-1]:
+            return 0.0  # samples where the target puts no mass
+        observed.pop(), wanted.pop()
+    total = sum(wanted)
+    return float(chisquare(observed, [w * sum(observed) / total for w in wanted]).pvalue)
+
+
+def _toy(seed: int, vocab: int = 8):
+    """A two-step toy: target p(x1), p(x2 | x1); a drafter q with different beliefs and no mass
+    on token 0 (outside the 'intersection')."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def dist(scale: float) -> torch.Tensor:
+        return torch.softmax(torch.randn(vocab, generator=gen, dtype=torch.float64) * scale, 0)
+
+    p1 = dist(1.5)
+    p2 = {x: dist(1.5) for x in range(vocab)}
+    q1 = dist(1.0)
+    q1[0] = 0.0
+    q1 /= q1.sum()
+    q2 = {x: dist(1.0) for x in range(vocab)}
+    return p1, p2, q1, q2
+
+
+def _sample_two(rule, seed: int, n: int) -> tuple[dict, dict[tuple, float]]:
+    """``n`` runs of a 2-token draft through ``rule``; counts of the first two emitted tokens."""
+    p1, p2, q1, q2 = _toy(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    counts: dict[tuple, int] = {}
+    for _ in range(n):
+        d1 = int(torch.multinomial(q1, 1, generator=gen))
+        d2 = int(torch.multinomial(q2[d1], 1, generator=gen))
+        draft = [d1, d2]
+
+        def p_row(i: int, draft: list[int] = draft) -> torch.Tensor:
+            return p1 if i == 0 else p2[draft[0]] if i == 1 else p2[draft[1]]
+
+        emitted, _ = rule(draft=draft, q_rows=[q1, q2[d1]], p_row=p_row, gen=gen)
+        if len(emitted) == 1:  # rejected at once: the second token comes from p2 (the target)
+            emitted = [emitted[0], int(torch.multinomial(p2[emitted[0]], 1, generator=gen))]
+        key = (emitted[0], emitted[1])
+        counts[key] = counts.get(key, 0) + 1
+    expected = {(a, b): float(p1[a] * p2[a][b]) for a in range(8) for b in range(8)}
+    return counts, expected
+
+
+def test_verify_draft_reproduces_the_target_distribution():
+    for seed in (0, 1):
+        counts, expected = _sample_two(verify_draft, seed, 20_000)
+        assert _fits(counts, expected, 20_000) > P_MIN
+
+
+def test_a_broken_acceptance_rule_fails_the_same_test():
+    def accept_by_target_only(*, draft, q_rows, p_row, gen):
+        # The classic mistake: accept with probability p (as if q were uniform / ignored).
+        return verify_draft(
+            draft=draft, q_rows=[p_row(i) for i in range(len(draft))], p_row=p_row, gen=gen
+        )
+
+    counts, expected = _sample_two(accept_by_target_only, 0, 20_000)
+    assert _fits(counts, expected, 20_000) < P_MIN
+
+
+def test_processing_matches_transformers_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 3
+    cfg = SamplingConfig(temperature=0.7, top_k=20, top_p=0.8)
+    scores = TemperatureLogitsWarper(0.7)(None, logits.double())
+    scores = TopKLogitsWarper(20)(None, scores)
+    scores = TopPLogitsWarper(0.8)(None, scores)
+    torch.testing.assert_close(processed_probs(logits, cfg), torch.softmax(scores, -1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"temperature": -1.0}, "temperature must be > 0"),
+        ({"top_p": 0.0}, r"top-p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top-p must be in \(0, 1\]"),
+        ({"top_k": 0}, "top-k must be >= 1"),
+        ({"seed": 1.5}, "seed must be an integer"),
+    ],
+)
+def test_bad_sampling_settings_are_refused(kwargs, message):
+    with pytest.raises(UagError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_intersection_is_built_from_bytes(tokenizers):
+    pair = cross_pair(tokenizers)
+    inter = pair.intersection()
+    table_t, table_a = pair.bridge.target.table, pair.bridge.assistant.table
+    assert 1000 < inter.size < len(table_a)
+    mapped = (inter.to_target >= 0).nonzero().flatten().tolist()
+    assert all(table_a[a] == table_t[int(inter.to_target[a])] for a in mapped)
+    newline_a = next(a for a in mapped if table_a[a] == b"\n")  # SmolLM2's 'Ċ'
+    newline_t = int(inter.to_target[newline_a])  # Gemma spells it twice ('\n', '<0x0A>'):
+    assert pair.bridge.target.encode("\n") == [newline_t]  # the one its tokenizer produces
+    eos = pair.assistant.tokenizer.eos_token_id
+    assert int(inter.to_target[eos]) == -1  # special tokens never stand for text
+
+
+def _exact_three(pair, prompt: list[int], cfg: SamplingConfig):
+    """Exact target distribution of the first three tokens (top-k keeps the support small)."""
+    lm = pair.target_lm
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        lm.reset(ids, rollback=False)
+        return processed_probs(lm.full_logits(lm.forward()[-1:]), cfg)[0]
+
+    out: dict[tuple, float] = {}
+    p1 = probs(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs([*prompt, a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs([*prompt, a, b])
+            for c in p3.nonzero().flatten().tolist():
+                out[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return out
+
+
+def _run_many(pair, prompt_t, prompt_a, cfg, n):
+    """``n`` seeded speculative runs; counts of their first three tokens."""
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    for i in range(n):
+        run = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=1000 + i)
+        out: LoopOutput = speculative_sample(
+            target=pair.target_lm,
+            assistant=pair.assistant_lm,
+            bridge=pair.bridge,
+            intersection=pair.intersection(),
+            target_eos=frozenset(),
+            prompt_target_ids=prompt_t,
+            prompt_assistant_ids=prompt_a,
+            policy=StaticPolicy(k=2),
+            max_new_tokens=4,
+            sampling=run,
+        )
+        drafted += sum(r.drafted for r in out.iterations)
+        accepted += sum(r.accepted_candidates for r in out.iterations)
+        key = tuple(out.ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts, drafted, accepted
+
+
+def test_speculative_sampling_matches_the_target_on_toy_models():
+    """The whole loop, cross-tokenizer (hand-made byte-level BPE vocabularies of ~300 tokens),
+    two drafted tokens per round: the first three tokens follow the target's exact joint."""
+    pair = toy_pair()
+    prompt_t, prompt_a = encode_prompt(pair, "def add(a, b):")
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    expected = _exact_three(pair, prompt_t, cfg)
+    n = 20_000
+    counts, drafted, accepted = _run_many(pair, prompt_t, prompt_a, cfg, n)
+    assert drafted >= n  # round 2 drafts two tokens in nearly every run
+    assert n // 4 < accepted < drafted  # both paths exercised: acceptances and rejections
+    assert _fits(counts, expected, n) > P_MIN
+
+
+def test_target_only_sampling_is_reproducible_and_seeded(tokenizers):
+    pair = same_tokenizer_pair(tokenizers, noise=0.05)
+    prompt_t, _ = encode_prompt(pair, "x = 1")
+    cfg = SamplingConfig(temperature=1.0, seed=5)
+    runs = [
+        target_only_sample(
+            target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t,
+            max_new_tokens=8, sampling=cfg,
+        ).ids
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]
+    other = target_only_sample(
+        target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t, max_new_tokens=8,
+        sampling=SamplingConfig(temperature=1.0, seed=6),
+    ).ids  # fmt: skip
+    assert other != runs[0]

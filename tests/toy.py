@@ -1,0 +1,87 @@
+"""Hand-made tokenizers and models with small vocabularies: fast distribution tests.
+
+Two byte-level BPE tokenizers trained on different text (different merges, so different
+vocabularies over the same bytes), and a target/assistant pair built so they mostly agree: the
+assistant is the target's own network with its vocabulary rows moved to wherever its tokenizer
+spells the same bytes (and noise on top), so speculative sampling accepts often and rejects
+sometimes, and both paths are exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from uag.api import Pair, make_pair
+from uag.bridge import token_bytes_table
+from uag.models import wrap_model
+
+from .tiny import noisy_copy, tiny_gemma
+
+_TEXT_A = ["def add(a, b):\n    return a + b\n", "the cat sat on the mat", "print('hi')\r\n"] * 20
+_TEXT_B = ["hello world, hello there", "for i in range(10):\n\tx += i", "café 😀 你好"] * 20
+
+
+def byte_bpe(corpus: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (every byte is a token, plus merges learned from ``corpus``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<pad>", "<eos>", "<bos>"],
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>"
+    )
+
+
+def toy_tokenizers():
+    """(target, assistant): 300 and 280 tokens. The same corpus, so the assistant's merges are
+    the target's first ones: different vocabularies and tokenisations over a shared core."""
+    return byte_bpe(_TEXT_A + _TEXT_B, 300), byte_bpe(_TEXT_A + _TEXT_B, 280)
+
+
+def _ascii(data: bytes) -> bool:
+    return bool(data) and all(32 <= b < 127 or b in (9, 10, 13) for b in data)
+
+
+def toy_pair(*, noise: float = 0.05, sharpness: float = 20.0, kernels: str = "auto") -> Pair:
+    """Tiny Gemma target ← the same network re-indexed to the assistant's vocabulary (+ noise).
+
+    ``sharpness`` scales the final norm, so the logits are spread out as a trained model's are
+    (a random tiny model's are nearly flat, and its top-k set would be a coin toss). Attention
+    outputs are zeroed: the next-token distribution then depends on the last token's bytes
+    only, which both vocabularies spell alike, so the two models agree as a trained pair would
+    (random networks fed two different tokenisations otherwise share nothing)."""
+    target_tok, assistant_tok = toy_tokenizers()
+    target = tiny_gemma(len(target_tok))
+    table_t = token_bytes_table(target_tok, len(target_tok))
+    with torch.no_grad():
+        target.model.norm.weight.fill_(sharpness - 1.0)  # Gemma's norm scales by 1 + weight
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        for tid, data in enumerate(table_t):  # a zero (tied) row: a logit of 0, never top-k,
+            if not _ascii(data):  # so samples stay whole characters the assistant can follow
+                target.get_input_embeddings().weight[tid].zero_()
+    assistant = noisy_copy(target, scale=noise)
+    assistant.resize_token_embeddings(len(assistant_tok), mean_resizing=False)
+    spelled = {data: i for i, data in enumerate(table_t)}
+    emb_t = target.get_input_embeddings().weight  # tied with the head in Gemma
+    emb_a = assistant.get_input_embeddings().weight
+    with torch.no_grad():
+        for aid, data in enumerate(token_bytes_table(assistant_tok, len(assistant_tok))):
+            tid = spelled.get(data)
+            if data and tid is not None:
+                emb_a[aid] = emb_t[tid] + noise * 0.1 * torch.randn_like(emb_t[tid])
+            else:
+                emb_a[aid].zero_()
+    return make_pair(
+        wrap_model(target, target_tok, ref="toy-target"),
+        wrap_model(assistant, assistant_tok, ref="toy-assistant"),
+        kernels=kernels,
+    )

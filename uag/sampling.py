@@ -1,0 +1,417 @@
+"""Lossless speculative *sampling* across tokenizers: token-level intersection (TLI).
+
+Why this algorithm (Timor et al., ICML 2025, arXiv 2502.05202): classic speculative sampling
+needs the drafter's distribution ``q`` over the *target's* vocabulary, so that each drafted
+token can be accepted with probability ``min(1, p/q)`` and a rejection resampled from the
+normalised residual ``max(p − q, 0)``. Across tokenizers that is well defined for the tokens
+both vocabularies share: an assistant token whose decoded bytes are exactly one target token's
+bytes. The assistant drafts from its own (processed) distribution restricted to those tokens,
+so ``q`` lives on the target vocabulary and the standard proof applies unchanged: every emitted
+token is distributed exactly as the target's own processed distribution, whatever the assistant
+and the lookahead.
+
+The intersection is built from the bridge's byte tables, never from vocabulary key strings
+(SmolLM2's ``Ċ`` and Gemma's ``<0x0A>`` are both the byte ``\\n``; Transformers' string matching
+maps them wrongly). Special tokens are left out on both sides: their literal text is not what
+they mean.
+
+Processing (``SamplingConfig``): temperature, then top-k, then top-p, as Transformers orders its
+warpers; target-alone sampling (``target_only_sample``) and verification use the same
+``processed_probs`` on the same logits (``CachedLM.full_logits``), so "the target's
+distribution" is one definition, not two.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
+from uag.bridge import Bridge, ends_on_char_boundary
+from uag.errors import UagError
+from uag.runner import CachedLM
+from uag.speculative import (
+    MAX_CANDIDATES,
+    IterationRecord,
+    LoopOutput,
+    OnTokens,
+    StopReason,
+    _AssistantText,
+    _clip,
+)
+
+TOP_P_WINDOW = 4096
+"""Top-p looks at the most probable tokens first; it sorts the whole vocabulary only when these
+do not hold the nucleus (flat distributions)."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's logits become the distribution to sample from."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    """Seeds the run's random stream (None: a fresh random seed)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            raise UagError(f"temperature must be > 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise UagError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+            raise UagError(f"top-k must be >= 1, got {self.top_k}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            raise UagError(f"seed must be an integer, got {self.seed!r}")
+
+    def generator(self) -> torch.Generator:
+        """The run's random stream: every uniform and every categorical draw comes from it."""
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        return torch.Generator().manual_seed(seed)
+
+
+def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """``logits [n, V]`` → probabilities ``[n, V]`` (float64) after temperature, top-k, top-p.
+
+    Top-k keeps every token at least as likely as the k-th (ties included), and top-p the
+    smallest most-probable set whose mass reaches ``top_p`` (Transformers' rules: drop tokens
+    whose ascending cumulative mass is ≤ 1 − top_p; the most probable always stays).
+    """
+    x = logits.double() / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < x.shape[-1]:
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
+        probs = torch.zeros_like(x)
+        for row in range(x.shape[0]):  # softmax over the few survivors only
+            keep = x[row] >= kth[row]
+            probs[row, keep] = torch.softmax(x[row, keep], dim=-1)
+    else:
+        probs = torch.softmax(x, dim=-1)
+    if cfg.top_p < 1.0:
+        probs = torch.stack([_nucleus(row, cfg.top_p) for row in probs])
+    return probs
+
+
+def categorical(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One draw from ``probs`` (``[V]``, summing to ~1): inverse CDF over the support.
+
+    ``torch.multinomial`` took ~9 ms on a 262k-entry float64 vector; this takes well under one.
+    """
+    support = probs.nonzero().flatten()
+    cdf = probs[support].cumsum(0)
+    u = torch.rand(1, generator=gen, dtype=cdf.dtype) * cdf[-1]
+    pick = int(torch.searchsorted(cdf, u, right=True))
+    return int(support[min(pick, support.numel() - 1)])
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One row's top-p cut, renormalised."""
+    window = min(TOP_P_WINDOW, probs.numel())
+    values, ids = torch.topk(probs, window)  # descending
+    if window < probs.numel() and float(values.sum()) < top_p + 1e-9:
+        values, ids = torch.sort(probs, descending=True)  # the nucleus is wider: sort it all
+    # Descending cumulative mass *before* each token < top_p ⇔ ascending mass after it > 1 − p.
+    before = torch.cumsum(values, dim=0) - values
+    keep = before < top_p
+    keep[0] = True
+    out = torch.zeros_like(probs)
+    out[ids[keep]] = values[keep]
+    return out / out.sum()
+
+
+@dataclass
+class Intersection:
+    """Assistant ids whose bytes are exactly one (non-special) target token's bytes."""
+
+    to_target: torch.Tensor
+    """``[Va]`` long: the target id each assistant id stands for, or −1."""
+    size: int
+
+    @classmethod
+    def build(
+        cls, bridge: Bridge, *, target_special: set[int], assistant_special: set[int]
+    ) -> Intersection:
+        """Map every assistant id whose bytes some target id spells exactly.
+
+        Where several target ids spell the same bytes (Gemma: ``\\n`` and its byte-fallback
+        ``<0x0A>``), the one the target's tokenizer itself produces for that text stands for
+        it; any fixed choice keeps sampling exact (``q`` is then simply a distribution over
+        target ids), this one keeps the target's context canonical.
+        """
+        owners: dict[bytes, list[int]] = {}
+        for tid, data in enumerate(bridge.target.table):
+            if data and tid not in target_special:
+                owners.setdefault(data, []).append(tid)
+        chosen = {data: ids[0] for data, ids in owners.items()}
+        for data, ids in owners.items():
+            if len(ids) > 1:
+                chosen[data] = _canonical(bridge, data, ids)
+        mapping = [
+            chosen.get(data, -1) if data and aid not in assistant_special else -1
+            for aid, data in enumerate(bridge.assistant.table)
+        ]
+        to_target = torch.tensor(mapping, dtype=torch.long)
+        return cls(to_target=to_target, size=int((to_target >= 0).sum()))
+
+    def restrict(self, probs: torch.Tensor) -> torch.Tensor | None:
+        """The assistant's distribution restricted to the intersection, renormalised (None: no
+        mass there, nothing can be drafted)."""
+        q = probs.masked_fill(self.to_target < 0, 0.0)
+        total = float(q.sum())
+        return q / total if total > 0 else None
+
+    def on_target(self, q_assistant: torch.Tensor, target_vocab: int) -> torch.Tensor:
+        """``q`` as a distribution over target ids (assistant ids sharing bytes add up)."""
+        out = torch.zeros(target_vocab, dtype=q_assistant.dtype)
+        keep = self.to_target >= 0
+        return out.index_add_(0, self.to_target[keep], q_assistant[keep])
+
+
+def _canonical(bridge: Bridge, data: bytes, ids: list[int]) -> int:
+    """Of target ids spelling the same ``data``, the one the target tokenizer encodes it to."""
+    try:
+        encoded = bridge.target.encode(data.decode("utf-8"))
+    except UnicodeDecodeError:  # part of a character: no encoding to ask
+        return ids[0]
+    return encoded[0] if len(encoded) == 1 and encoded[0] in ids else ids[0]
+
+
+def special_ids(tokenizer: object) -> set[int]:
+    """Every special or added-special id of a tokenizer (their bytes are not their meaning)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids |= {i for i, tok in decoder.items() if getattr(tok, "special", False)}
+    return ids
+
+
+def verify_draft(
+    *,
+    draft: Sequence[int],
+    q_rows: Sequence[torch.Tensor],
+    p_row: Callable[[int], torch.Tensor],
+    gen: torch.Generator,
+) -> tuple[list[int], int]:
+    """Speculative sampling's accept/resample rule: ``(emitted target ids, accepted count)``.
+
+    ``draft[i]`` was sampled from ``q_rows[i]`` (over the target vocabulary); ``p_row(i)`` is the
+    target's processed distribution after the first ``i`` draft tokens (only the rows reached
+    are asked for). Draft token i is kept with probability ``min(1, p/q)``; the first rejection
+    emits a sample of ``max(p − q, 0)`` normalised, and a fully accepted draft a bonus sample of
+    ``p``. Each emitted token is then distributed exactly as ``p`` (Leviathan et al., 2023).
+    """
+    for i, tok in enumerate(draft):
+        p, q = p_row(i), q_rows[i]
+        ratio = float(p[tok]) / float(q[tok])
+        if ratio >= 1.0 or float(torch.rand((), generator=gen, dtype=torch.float64)) < ratio:
+            continue
+        residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p ≤ q everywhere yet p[tok] < q[tok]: only rounding
+            residual = p
+        fix = categorical(residual, gen)
+        return [*draft[:i], fix], i
+    bonus = categorical(p_row(len(draft)), gen)
+    return [*draft, bonus], len(draft)
+
+
+class _Processed:
+    """Row i of the target's processed distribution, computed the first time it is asked for
+    (verification stops at the first rejection)."""
+
+    def __init__(self, logits: torch.Tensor, sampling: SamplingConfig) -> None:
+        self.logits, self.sampling = logits, sampling
+        self.done: dict[int, torch.Tensor] = {}
+
+    def __call__(self, i: int) -> torch.Tensor:
+        if i not in self.done:
+            self.done[i] = processed_probs(self.logits[i : i + 1], self.sampling)[0]
+        return self.done[i]
+
+
+def target_only_sample(
+    *,
+    target: CachedLM,
+    target_eos: frozenset[int],
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    on_tokens: OnTokens | None = None,
+) -> LoopOutput:
+    """The reference: the target alone, one sample of ``processed_probs`` per step."""
+    gen = sampling.generator()
+    started = time.perf_counter()
+    target.reset(prompt_ids, rollback=False)
+    start = len(target.ids)
+    reason: StopReason = "max_new_tokens"
+    while len(target.ids) - start < max_new_tokens:
+        probs = processed_probs(target.full_logits(target.forward()[-1:]), sampling)[0]
+        tok = categorical(probs, gen)
+        target.ids.append(tok)
+        if on_tokens:
+            on_tokens([tok])
+        if tok in target_eos:
+            reason = "eos"
+            break
+    return LoopOutput(
+        ids=target.ids[start:],
+        stop_reason=reason,
+        seconds=time.perf_counter() - started,
+        iterations=[],
+    )
+
+
+def speculative_sample(
+    *,
+    target: CachedLM,
+    assistant: CachedLM,
+    bridge: Bridge,
+    intersection: Intersection,
+    target_eos: frozenset[int],
+    prompt_target_ids: Sequence[int],
+    prompt_assistant_ids: Sequence[int],
+    policy: StopPolicy,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    on_tokens: OnTokens | None = None,
+) -> LoopOutput:
+    """TLI speculative sampling: distributed exactly as ``target_only_sample``, in fewer passes.
+
+    Each round: sync the assistant to the target's text (re-encoded, as in greedy UAG); draft
+    from the restricted assistant distribution, each drafted assistant token standing for one
+    target token; one target forward over the pending token and the drafted ones; then
+    ``verify_draft``. The assistant keeps the drafted tokens inside the emitted text.
+    """
+    clock = time.perf_counter
+    gen = sampling.generator()
+    started = clock()
+    policy.reset()
+    target.reset(prompt_target_ids, rollback=True)
+    assistant.reset(prompt_assistant_ids, rollback=True)
+    t_start = len(target.ids)
+    text = bytearray()
+    a_text = _AssistantText(assistant, bridge)
+    records: list[IterationRecord] = []
+    reason: StopReason = "max_new_tokens"
+    prev = IterationOutcome(drafted=0, accepted=0)
+    drafted_total = accepted_total = 0
+    target_vocab = target.vocab_size
+
+    while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
+        t0 = clock()
+        new = bytes(text[len(a_text.data) :])
+        ids, _ = bridge.assistant.continuation(
+            tail=bridge.tail(bridge.assistant, assistant.ids), new=new
+        )
+        a_text.append(ids)
+        bridge_s = clock() - t0
+        ctx = DraftContext(
+            iteration=len(records),
+            generated=len(target.ids) - t_start,
+            remaining=room,
+            prev_drafted=prev.drafted,
+            prev_accepted=prev.accepted,
+            drafted_total=drafted_total,
+            accepted_total=accepted_total,
+            target_prob=math.nan,
+            target_entropy=math.nan,
+        )
+        t0 = clock()
+        ready = ends_on_char_boundary(text) and room > 1 and target.cached > 0
+        budget = policy.budget(ctx) if ready else 0
+        policy_s = clock() - t0
+        if assistant.cached == len(assistant.ids):
+            budget = 0  # nothing new to feed the assistant: no fresh distribution to draft from
+        committed = a_text.count
+        draft: list[int] = []
+        q_assistant: list[torch.Tensor] = []
+        draft_s = 0.0
+        cum_logprob, min_prob = 0.0, 1.0
+        for position in range(1, min(budget, room - 1, MAX_CANDIDATES) + 1):
+            t0 = clock()
+            logits = assistant.logits(assistant.forward()[-1:])
+            q = intersection.restrict(processed_probs(logits, sampling)[0])
+            if q is None:
+                draft_s += clock() - t0
+                break
+            aid = categorical(q, gen)
+            top = torch.topk(q, 2).values
+            draft_s += clock() - t0
+            a_text.append([aid])
+            draft.append(int(intersection.to_target[aid]))
+            q_assistant.append(q)
+            cum_logprob += math.log(max(float(q[aid]), 1e-30))
+            min_prob = min(min_prob, float(q[aid]))
+            step = DraftStep(
+                position=position,
+                token_id=aid,
+                token_bytes=bridge.assistant.table[aid],
+                prob=float(q[aid]),
+                entropy=float(-(q * torch.log(q.clamp_min(1e-30))).sum()),
+                margin=float(top[0] - top[1]),
+                cum_logprob=cum_logprob,
+                min_prob=min_prob,
+                target_tokens=1,
+                context=ctx,
+            )
+            t0 = clock()
+            halt = policy.stop(step)
+            policy_s += clock() - t0
+            if halt:
+                break
+
+        t0 = clock()
+        base = len(target.ids)
+        target.ids.extend(draft)
+        rows = target.full_logits(target.forward()[-(len(draft) + 1) :])  # [m + 1, V]
+        q_rows = [intersection.on_target(q, target_vocab) for q in q_assistant]
+        emitted, accepted = verify_draft(
+            draft=draft, q_rows=q_rows, p_row=_Processed(rows, sampling), gen=gen
+        )
+        emitted, hit_eos = _clip(emitted, eos_ids=target_eos, room=room)
+        in_cache = min(accepted, len(emitted))
+        target.truncate(base + in_cache)
+        target.ids.extend(emitted[in_cache:])
+        verify_s = clock() - t0
+        text += bridge.target.bytes_of(emitted)
+        if on_tokens:
+            on_tokens(emitted)
+
+        t0 = clock()
+        kept = a_text.keep_prefix_of(text)
+        accepted_drafts = max(kept - committed, 0)
+        bridge_s += clock() - t0
+        outcome = IterationOutcome(drafted=len(draft), accepted=accepted_drafts)
+        if draft:
+            prev = outcome
+        drafted_total += len(draft)
+        accepted_total += accepted_drafts
+        policy.update(outcome)
+        records.append(
+            IterationRecord(
+                drafted=len(draft),
+                candidates=len(draft),
+                accepted_candidates=in_cache,
+                emitted=len(emitted),
+                accepted_drafts=accepted_drafts,
+                draft_s=draft_s,
+                verify_s=verify_s,
+                bridge_s=bridge_s,
+                policy_s=policy_s,
+            )
+        )
+        if hit_eos:
+            reason = "eos"
+            break
+
+    return LoopOutput(
+        ids=target.ids[t_start:],
+        stop_reason=reason,
+        seconds=clock() - started,
+        iterations=records,
+    )
