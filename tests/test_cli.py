@@ -126,3 +126,22 @@ def test_packages_import_in_any_order(first):
     code = f"import {first}; import uag; import controllers; print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-1000:]
+
+
+def test_bench_success_path_from_the_cli(tiny_dirs, tmp_path, capsys):
+    target_dir, assistant_dir = tiny_dirs
+    out = tmp_path / "bench"
+    argv = ["bench", "--target", str(target_dir), "--assistant", str(assistant_dir)]
+    argv += ["--prompts", "mixed", "--limit", "2", "--max-new-tokens", "6", "--repeats", "2"]
+    assert main([*argv, "--policies", "target-only,static-2", "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["policies"]}
+    assert set(rows) == {"target-only", "static-2"}
+    assert rows["static-2"]["identical"] is True
+    low, high = rows["static-2"]["speedup_interval_95"]
+    assert low <= rows["static-2"]["speedup_vs_target"] <= high
+    assert "95 % interval" in (out / "results.md").read_text()
+
+
+def test_models_prepare_success_path(capsys):
+    assert main(["models", "prepare", "gemma-3-270m"]) == 0  # converted once per cache: quick
+    assert "gemma-3-270m: ready at" in capsys.readouterr().out

@@ -199,7 +199,9 @@ def test_kill_9_then_resume(tiny_dirs, tmp_path):
     assert f"({partial} already done)" in done.stdout
     df = _read_dir(out)
     assert len(list(out.glob("part-*.parquet"))) == 40
-    assert df["prompt_id"].nunique() == len(set(df["prompt_id"]))
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len({p.name for p in parts}) == 40  # one part per prompt, none written twice
+    assert df["prompt_id"].nunique() <= 40  # (a prompt that drafted nothing has no rows)
     assert not df.duplicated(["prompt_id", "iteration", "position"]).any()
     assert not list(out.glob(".*tmp"))
 

@@ -1,8 +1,10 @@
 """``uag bench``: every policy side by side on the same prompts, in one run, outputs checked.
 
 Honesty rules: one warm-up per arm (not timed); arms interleaved prompt by prompt (and repeat by
-repeat) so machine drift hits them alike; speed reported as ratios to ``target-only`` over the
-same prompts; every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
+repeat), their order rotated every round, so machine drift and position effects hit them alike;
+speed reported as ratios to ``target-only`` over the same prompts, with a 95 % bootstrap interval
+over prompts (these cores drift by several percent: a ratio without an interval says too
+little); every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
 it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
 the latency profile measured in this run, and is marked simulated.
 """
@@ -60,6 +62,10 @@ class PolicyResult:
     runs: int = 0
     identical_runs: int = 0
     speedup_vs_target: float = 0.0
+    per_prompt_seconds: list[float] = field(default_factory=list)
+    """Seconds per prompt (all its repeats): what the paired ratios and the interval use."""
+    interval: tuple[float, float] | None = None
+    """95 % bootstrap interval of ``speedup_vs_target`` over prompts (None: simulated)."""
 
     @property
     def identical(self) -> bool:
@@ -70,6 +76,7 @@ class PolicyResult:
             "name": self.name,
             "simulated": self.simulated,
             "speedup_vs_target": round(self.speedup_vs_target, 4),
+            "speedup_interval_95": [round(v, 4) for v in self.interval] if self.interval else None,
             "identical": self.identical if not self.simulated else None,
             "tokens_per_target_forward": round(self.tokens / self.target_forwards, 4)
             if self.target_forwards
@@ -100,8 +107,8 @@ class BenchReport:
 
     def markdown(self) -> str:
         lines = [
-            "| policy | speed-up vs target-only | identical | tokens / target forward | acceptance | controller time |",
-            "|---|---|---|---|---|---|",
+            "| policy | speed-up vs target-only | 95 % interval | identical | tokens / target forward | acceptance | controller time |",
+            "|---|---|---|---|---|---|---|",
         ]
         for p in self.policies:
             row = p.as_row()
@@ -117,13 +124,37 @@ class BenchReport:
             )
             acc = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
             share = f"{row['controller_share']:.2%}" if row["controller_share"] else "-"
+            ci = f"{p.interval[0]:.2f}–{p.interval[1]:.2f}x" if p.interval else "-"
             lines.append(
-                f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ident} | {tpf} | {acc} | {share} |"
+                f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ci} | {ident} | {tpf} | {acc} | {share} |"
             )
         return "\n".join(lines)
 
 
 Arm = Callable[[str, int], ArmRun]
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    """``names`` starting at position ``shift`` (mod its length): the arm order of one round."""
+    k = shift % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def bootstrap_interval(
+    base: list[float], arm: list[float], *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95 % percentile interval of ``sum(base) / sum(arm)`` when prompts are resampled.
+
+    Paired by prompt: a resample keeps each prompt's two times together, so the spread is the
+    prompts' disagreement about the ratio, not how much longer some prompts are than others.
+    """
+    import numpy as np
+
+    b, a = np.asarray(base, dtype=float), np.asarray(arm, dtype=float)
+    pick = np.random.default_rng(seed).integers(0, len(b), size=(resamples, len(b)))
+    ratios = b[pick].sum(axis=1) / a[pick].sum(axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def parse_policies(text: str) -> list[str]:
@@ -308,14 +339,22 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         arm(prompts[0].text, 4)
     total = len(prompts) * cfg.repeats * len(arms)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
+    order = list(arms)
+    rounds = 0
     for prompt in prompts:
+        for res in results.values():
+            res.per_prompt_seconds.append(0.0)
         for _ in range(cfg.repeats):
-            reference: list[int] | None = None
-            for name, arm in arms.items():  # interleaved: each prompt runs every arm in turn
-                run = arm(prompt.text, cfg.max_new_tokens)
-                if name == "target-only":
-                    reference = run.ids
+            runs: dict[str, ArmRun] = {}
+            for name in rotated(order, rounds):  # each prompt runs every arm, order rotated
+                runs[name] = arms[name](prompt.text, cfg.max_new_tokens)
+                bar.update(1)
+                bar.set_postfix(prompt=prompt.id[:20], arm=name)
+            rounds += 1
+            reference = runs["target-only"].ids
+            for name, run in runs.items():
                 res = results[name]
+                res.per_prompt_seconds[-1] += run.seconds
                 res.seconds += run.seconds
                 res.tokens += len(run.ids)
                 res.target_forwards += run.target_forwards
@@ -324,12 +363,12 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 res.policy_seconds += run.policy_seconds
                 res.runs += 1
                 res.identical_runs += int(run.ids == reference)
-                bar.update(1)
-                bar.set_postfix(prompt=prompt.id[:20], arm=name)
     bar.close()
-    base = results["target-only"].seconds
+    base = results["target-only"]
     for res in results.values():
-        res.speedup_vs_target = base / res.seconds if res.seconds else 0.0
+        res.speedup_vs_target = base.seconds / res.seconds if res.seconds else 0.0
+        if res.seconds:
+            res.interval = bootstrap_interval(base.per_prompt_seconds, res.per_prompt_seconds)
     ordered = [results[n] for n in arms]
     if "oracle" in names:
         ordered.append(
