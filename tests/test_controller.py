@@ -165,8 +165,9 @@ def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
     assert by_name["static-2"].identical
     assert not by_name["broken"].identical
     assert by_name["oracle"].simulated and by_name["oracle"].interval is None
-    # The oracle drafts exactly what is accepted: never fewer tokens per target step than static.
-    assert by_name["oracle"].speedup_vs_target >= 1.0
+    # The oracle drafts exactly what is accepted, so it never loses to the target alone (it
+    # equals it, up to rounding, when nothing would be accepted).
+    assert by_name["oracle"].speedup_vs_target >= 1.0 - 1e-9
     assert by_name["target-only"].interval == (1.0, 1.0)
     for res in report.policies:
         if not res.simulated:  # paired per prompt: the point estimate lies inside its interval
