@@ -295,7 +295,11 @@ def _oracle(pair: Any, prompts: list[Any], cfg: BenchConfig) -> float:
     from uag.latency import measure_profile
 
     profile = measure_profile(
-        target=pair.target_lm, assistant=pair.assistant_lm, max_candidates=ORACLE_LOOKAHEAD + 1
+        target=pair.target_lm,
+        assistant=pair.assistant_lm,
+        target_tokenizer=pair.target.tokenizer,
+        assistant_tokenizer=pair.assistant.tokenizer,
+        max_candidates=ORACLE_LOOKAHEAD + 1,
     )
     parts = []
     for p in prompts:

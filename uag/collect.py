@@ -213,6 +213,8 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         profile = measure_profile(
             target=pair.target_lm,
             assistant=pair.assistant_lm,
+            target_tokenizer=pair.target.tokenizer,
+            assistant_tokenizer=pair.assistant.tokenizer,
             max_candidates=cfg.max_lookahead + 1,
             repeats=cfg.profile_repeats,
         )

@@ -2,8 +2,10 @@
 
 A learned controller trades draft work against target passes, so it needs the prices: one
 assistant draft step, and one target verification of ``m`` candidates (``m + 1`` positions) for
-every ``m`` it may meet. They are measured on the real models at a fixed context, as medians of
-repeats after a warm-up, and travel with the collected data and the exported controller.
+every ``m`` it may meet. They are measured on the real models at a fixed context of real text
+(``PROFILE_TEXT``: the screened head's cost depends on how peaked the distribution is, and
+arbitrary ids give flat ones that no real run meets), as medians of repeats after a warm-up, and
+travel with the collected data and the exported controller.
 """
 
 from __future__ import annotations
@@ -20,6 +22,29 @@ from uag.runner import CachedLM
 
 PROFILE_CONTEXT = 128
 """Context length (tokens) the profile is measured at."""
+PROFILE_TEXT = (
+    "from typing import List\n\n\n"
+    "def separate_paren_groups(paren_string: str) -> List[str]:\n"
+    '    """ Input to this function is a string containing multiple groups of nested '
+    "parentheses. Your goal is to separate those group into separate strings and return the "
+    "list of those.\n    Separate groups are balanced (each open brace is properly closed) and "
+    "not nested within each other\n    Ignore any spaces in the input string.\n"
+    "    >>> separate_paren_groups('( ) (( )) (( )( ))')\n    ['()', '(())', '(()())']\n"
+    '    """\n    result = []\n    current_string = []\n    current_depth = 0\n\n'
+    "    for c in paren_string:\n        if c == '(':\n            current_depth += 1\n"
+    "            current_string.append(c)\n        elif c == ')':\n"
+    "            current_depth -= 1\n            current_string.append(c)\n\n"
+    "            if current_depth == 0:\n"
+    "                result.append(''.join(current_string))\n"
+    "                current_string.clear()\n\n    return result\n"
+)
+"""Real text (HumanEval/1 and its solution) for the profile's context and fed positions."""
+
+
+def text_ids(tokenizer: Any, count: int) -> list[int]:
+    """``count`` token ids of ``PROFILE_TEXT`` (repeated as needed) under ``tokenizer``."""
+    ids: list[int] = tokenizer(PROFILE_TEXT, add_special_tokens=False)["input_ids"]
+    return (ids * (count // len(ids) + 1))[:count]
 
 
 @dataclass(frozen=True)
@@ -83,28 +108,35 @@ def _median_time(fn: Any, repeats: int, device: torch.device) -> float:
 
 
 def measure_profile(
-    *, target: CachedLM, assistant: CachedLM, max_candidates: int, repeats: int = 5
+    *,
+    target: CachedLM,
+    assistant: CachedLM,
+    target_tokenizer: Any,
+    assistant_tokenizer: Any,
+    max_candidates: int,
+    repeats: int = 5,
 ) -> LatencyProfile:
     """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models."""
-    context = list(range(1000, 1000 + PROFILE_CONTEXT))
+    target_ids = text_ids(target_tokenizer, PROFILE_CONTEXT + max_candidates + 1)
+    assistant_ids = text_ids(assistant_tokenizer, PROFILE_CONTEXT + 1)
 
     def draft() -> None:
-        assistant.ids.append(1234)
+        assistant.ids.append(assistant_ids[PROFILE_CONTEXT])
         hidden = assistant.forward()
         torch.softmax(assistant.logits(hidden[-1:])[0], dim=-1).max()
         assistant.truncate(PROFILE_CONTEXT)
 
-    assistant.reset(context, rollback=True)
+    assistant.reset(assistant_ids[:PROFILE_CONTEXT], rollback=True)
     assistant.forward()
     draft_s = _median_time(draft, repeats, assistant.device)
 
-    target.reset(context, rollback=True)
+    target.reset(target_ids[:PROFILE_CONTEXT], rollback=True)
     target.forward()
     verify_s = []
     for m in range(max_candidates + 1):
 
         def verify(m: int = m) -> None:
-            target.ids.extend(range(2000, 2001 + m))
+            target.ids.extend(target_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + m + 1])
             hidden = target.forward()
             target.greedy(hidden).stats(0)
             target.truncate(PROFILE_CONTEXT)
@@ -127,15 +159,16 @@ class VerifyCost:
 
 
 def measure_verify_costs(
-    target: CachedLM, *, max_rows: int = 9, context: int = 110, repeats: int = 7
+    target: CachedLM, tokenizer: Any, *, max_rows: int = 9, context: int = 110, repeats: int = 7
 ) -> list[VerifyCost]:
-    """Body and greedy-head cost of a forward over 1..``max_rows`` positions at ``context`` tokens.
+    """Body and greedy-head cost of a forward over 1..``max_rows`` positions at ``context`` tokens
+    of ``PROFILE_TEXT``.
 
     What a verify of ``rows - 1`` candidates costs; a memory-bound forward costs about the same
     for every row count here. Medians of ``repeats`` after one warm-up each.
     """
-    ids = list(range(1000, 1000 + context))
-    target.reset(ids, rollback=True)
+    ids = text_ids(tokenizer, context + max_rows)
+    target.reset(ids[:context], rollback=True)
     target.forward()
     counts = list(range(1, max_rows + 1))
     body: dict[int, list[float]] = {rows: [] for rows in counts}
@@ -145,7 +178,7 @@ def measure_verify_costs(
         # by several percent) spreads over every row count instead of biasing the late ones.
         shift = i % len(counts)
         for rows in counts[shift:] + counts[:shift]:
-            target.ids.extend(range(2000, 2000 + rows))
+            target.ids.extend(ids[context : context + rows])
             t0 = time.perf_counter()
             hidden = target.forward()
             _sync(target.device)

@@ -154,11 +154,11 @@ def verify_table(kernels: str, repeats: int) -> str:
     from uag.latency import measure_verify_costs
 
     pair = load_pair(kernels=kernels)
-    costs = measure_verify_costs(pair.target_lm, repeats=repeats)
+    costs = measure_verify_costs(pair.target_lm, pair.target.tokenizer, repeats=repeats)
     one = costs[0].total_ms
     lines = [
         f"kernels: {pair.kernels} (row-count invariant: {pair.target_lm.row_invariant}); "
-        f"medians of {repeats}, 110-token context",
+        f"medians of {repeats}, 110-token context of real text",
         "",
         "| rows in the forward | body ms | head ms | total ms | total ÷ 1 row |",
         "|---|---|---|---|---|",
