@@ -160,6 +160,7 @@ def test_screened_head_argmax_is_exact_at_a_near_tie_int8_gets_wrong():
     for row in range(3):  # each row alone: the same values (row-count invariant)
         assert torch.equal(screened(x[row : row + 1])[0], logits[row])
     screened.row_bound = torch.zeros_like(screened.row_bound)  # no error bound: wrong token
+    screened.row_l1 = torch.zeros_like(screened.row_l1)
     screened.ABSOLUTE_SLACK = 0.0
     assert int(screened(x)[0].argmax()) == a
     assert screened.greedy(x)[0][0] == a
@@ -179,6 +180,45 @@ def test_screened_head_matches_fp32_on_random_heads():
         assert ids == top.tolist()
         assert torch.equal(logits.argmax(-1), top)
         assert torch.equal(logits[torch.arange(5), top], exact[torch.arange(5), top])
+
+
+@needs_native
+@pytest.mark.parametrize("outliers", [0, 4])
+def test_screened_head_bound_holds_with_and_without_exact_channels(outliers):
+    """Every approximate logit lies within its bound of the fp32 one, on inputs with a few huge
+    channels (like Gemma 3's); and the bound's activation term is needed (without it, fails)."""
+    from uag.screened import ScreenedHead
+
+    torch.manual_seed(1)
+    head = nn.Linear(96, 3000, bias=True)
+    x = torch.randn(7, 96)
+    x[:, [5, 17, 60, 61]] *= 25.0  # outlier channels
+    screened = ScreenedHead(head)
+    if outliers:
+        screened.calibrate(x)
+        assert set(screened.outliers.tolist()) >= {5, 17, 60, 61}
+    exact = native.NativeLinear(head)(x)
+    approx, missed = screened.approximate(x)
+    norms = x.abs().sum(dim=-1, keepdim=True)
+    bound = screened.row_bound * norms + screened.row_l1 * missed[:, None] + screened.ABSOLUTE_SLACK
+    gap = (approx - exact).abs()
+    assert (gap <= bound).all()
+    if not outliers:  # 7 bits across the outliers: the weight's term alone would not hold
+        assert (gap > (screened.row_bound * norms + screened.ABSOLUTE_SLACK)).any()
+    ids, _ = screened.greedy(x)
+    assert ids == exact.argmax(-1).tolist()
+    if outliers:  # exact channels leave fewer candidates than 7 bits across the outliers
+        plain = ScreenedHead(head)
+        plain.greedy(x)
+        assert screened.last_candidates <= plain.last_candidates
+    before = screened.last_candidates
+    approx2, missed2 = screened.approximate(x, levels=2)  # the second level: a far tighter bound
+    bound2 = screened.row_bound * norms + screened.row_l1 * missed2[:, None]
+    assert ((approx2 - exact).abs() <= bound2 + screened.ABSOLUTE_SLACK).all()
+    assert (missed2 < missed / 50).all()
+    screened.RESCREEN = 0  # every row screened again with two levels: same ids, fewer candidates
+    assert screened.greedy(x)[0] == ids
+    assert screened.last_candidates <= before
 
 
 def test_native_refused_with_its_reason(monkeypatch):

@@ -229,6 +229,7 @@ def make_pair(
             # An int8 assistant has no fp32 linears left; a float32 one gets the same kernels.
             swap_linears(assistant.model, mode, head=True)
     target_lm = CachedLM(target.model, greedy_head=True, fast_head=fast_head)
+    _calibrate(target_lm, target.tokenizer, fast_head)
     target_lm.row_invariant = fast_head is not None and is_row_invariant(
         target.model, rowwise_attention=target_lm.lean is not None
     )
@@ -240,6 +241,17 @@ def make_pair(
         assistant_vocab=assistant_lm.vocab_size,
     )
     return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, mode)
+
+
+def _calibrate(lm: CachedLM, tokenizer: Any, head: Any) -> None:
+    """Choose the screened head's exact channels from the target's own hidden states, once per
+    model (``uag.screened``: only speed depends on the choice)."""
+    from uag.screened import CALIBRATION_TEXT, ScreenedHead
+
+    if isinstance(head, ScreenedHead) and not head.calibrated:
+        lm.reset(tokenizer(CALIBRATION_TEXT)["input_ids"], rollback=False)
+        head.calibrate(lm.forward())
+        lm.reset([], rollback=False)
 
 
 def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:

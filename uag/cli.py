@@ -75,8 +75,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--assistant-int8",
         action="store_true",
-        help="int8 weights for the assistant's linear layers (CPU; weight-only on the native "
-        "kernel, else dynamic): cheaper drafts, same output",
+        help="int8 for the assistant's linear layers (CPU; int8 weights times 7-bit activations "
+        "quantised per row at run time): cheaper drafts, same output",
     )
     p.add_argument(
         "--kernels",

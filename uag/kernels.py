@@ -464,14 +464,17 @@ def quantize_int8(model: Any, *, backend: str | None = None) -> Any:
 
     A cheaper assistant: only the target decides the output, so the assistant's precision never
     changes what is generated. A tied embedding stays fp32; only the head's product is int8.
-    ``backend``: ``native`` (weight-only int8 on ``uag.native``), ``fbgemm`` or ``int8pack``;
+    ``backend``: ``native`` (int8 weights and per-row 7-bit activations on ``uag.native``'s
+    ``q8.c``), ``fbgemm`` or ``int8pack``;
     default ``int8_backend()``.
     """
     kind = backend or int8_backend()
     if kind == "native":
         from uag.native import NativeLinear
 
-        make: Callable[[nn.Linear], nn.Module] = functools.partial(NativeLinear, int8=True)
+        make: Callable[[nn.Linear], nn.Module] = functools.partial(
+            NativeLinear, int8=True, dynamic=True
+        )
     else:
         make = _FbgemmLinear if kind == "fbgemm" else _Int8PackLinear
     _swap_linears(model, make, set())

@@ -36,10 +36,12 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "skinny.c",  # the matrix products
     Path(__file__).parent / "csrc" / "layer.c",  # a whole decoder layer around them
     Path(__file__).parent / "csrc" / "screen.c",  # candidates of the exact greedy head
+    Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-BLOCK_ROWS, K_STEP = 8, 1
-"""The kernel's layout: blocks of 8 outputs, their weights side by side for every input."""
+BLOCK_ROWS, K_STEP, Q8_K_STEP = 8, 1, 4
+"""The kernels' layout: blocks of 8 outputs, their weights side by side for every input
+(``skinny.c``) or for every 4 consecutive inputs (``q8.c``)."""
 CHUNK_ROWS = 16384
 """Output rows converted at a time when building a layer (a multiple of ``BLOCK_ROWS``)."""
 
@@ -86,10 +88,12 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.uag_linear_f32, lib.uag_linear_i8):
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
+    lib.uag_linear_q8.restype = None
+    lib.uag_linear_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64, p, p, i64, p]
     lib.uag_decoder_layer.restype = None
     lib.uag_decoder_layer.argtypes = [p, p, i64, i64, p, p, i64, p, p, p]
     lib.uag_screen.restype = i64
-    lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, ctypes.c_float, p, p, i64]
+    lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, ctypes.c_float, p, p, i64]
     return lib
 
 
@@ -132,24 +136,38 @@ def _self_test(lib: ctypes.CDLL) -> str | None:
         ref = F.linear(x, layer.dequantized(), linear.bias)
         if not torch.allclose(full, ref, rtol=1e-4, atol=1e-4):
             return "the native kernel disagrees with F.linear here"
-        pieces = (layer(x[i : i + k]) for k in (1, 2, 3) for i in range(7 - k + 1))
-        expected = (full[i : i + k] for k in (1, 2, 3) for i in range(7 - k + 1))
-        if not all(torch.equal(a, b) for a, b in zip(pieces, expected, strict=True)):
+        if not _invariant(layer, x, full):
             return "the native kernel is not row-count invariant here"
+    dynamic = NativeLinear(linear, int8=True, dynamic=True, lib=lib)
+    full = dynamic(x)
+    ref = F.linear(x, dynamic.dequantized(), linear.bias)
+    if (full - ref).norm() > 0.02 * ref.norm():
+        return "the native dynamic int8 kernel disagrees with F.linear here"
+    if not _invariant(dynamic, x, full):
+        return "the native dynamic int8 kernel is not row-count invariant here"
     return None
+
+
+def _invariant(layer: NativeLinear, x: torch.Tensor, full: torch.Tensor) -> bool:
+    """Every run of 1-3 consecutive rows gives bitwise the rows of the full call."""
+    n = x.shape[0]
+    pieces = (layer(x[i : i + k]) for k in (1, 2, 3) for i in range(n - k + 1))
+    expected = (full[i : i + k] for k in (1, 2, 3) for i in range(n - k + 1))
+    return all(torch.equal(a, b) for a, b in zip(pieces, expected, strict=True))
 
 
 def _ceil(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def interleave(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` → the kernel's layout ``[N/8, K, 8, 1]`` (outputs zero-padded to a multiple of 8)."""
+def interleave(weight: torch.Tensor, k_step: int = K_STEP) -> torch.Tensor:
+    """``[N, K]`` → the kernels' layout ``[N/8, K/k_step, 8, k_step]`` (zero-padded to whole
+    blocks)."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, _ceil(k, K_STEP) - k, 0, _ceil(n, BLOCK_ROWS) - n))
+    padded = F.pad(weight, (0, _ceil(k, k_step) - k, 0, _ceil(n, BLOCK_ROWS) - n))
     np_, kp = padded.shape
     return (
-        padded.view(np_ // BLOCK_ROWS, BLOCK_ROWS, kp // K_STEP, K_STEP)
+        padded.view(np_ // BLOCK_ROWS, BLOCK_ROWS, kp // k_step, k_step)
         .permute(0, 2, 1, 3)
         .contiguous()
     )
@@ -163,32 +181,43 @@ def symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class NativeLinear(nn.Module):
-    """A linear layer on ``skinny.c``: fp32, or weight-only int8 (one scale per output row).
+    """A linear layer on the native kernels: fp32 or weight-only int8 (``skinny.c``), or int8
+    weights and activations (``dynamic``, ``q8.c``: approximate, for the assistant).
 
-    The weight is kept only in the kernel's interleaved layout (the caller releases the
-    original's pages).
+    Weights are int8 with one scale per output row. The weight is kept only in the kernel's
+    interleaved layout (the caller releases the original's pages).
     """
 
     def __init__(
-        self, linear: nn.Linear, *, int8: bool = False, lib: ctypes.CDLL | None = None
+        self,
+        linear: nn.Linear,
+        *,
+        int8: bool = False,
+        dynamic: bool = False,
+        lib: ctypes.CDLL | None = None,
     ) -> None:
         super().__init__()
         self.lib = lib if lib is not None else _library()[0]
         if self.lib is None:
             raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
+        if dynamic and not int8:
+            raise ValueError("dynamic (int8 activations) needs int8 weights")
         weight = linear.weight.detach()
         self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.k_step = Q8_K_STEP if dynamic else K_STEP
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
-        self.padded_in = _ceil(self.in_features, K_STEP)
-        self.int8 = int8
+        self.padded_in = _ceil(self.in_features, self.k_step)
+        self.int8, self.dynamic = int8, dynamic
         self.weight_ilv: torch.Tensor
         self.scales: torch.Tensor
-        blocks, steps = self.padded_out // BLOCK_ROWS, self.padded_in // K_STEP
+        self.wsum: torch.Tensor
+        blocks, steps = self.padded_out // BLOCK_ROWS, self.padded_in // self.k_step
         dtype = torch.int8 if int8 else torch.float32
         self.register_buffer(
-            "weight_ilv", torch.empty(blocks, steps, BLOCK_ROWS, K_STEP, dtype=dtype)
+            "weight_ilv", torch.empty(blocks, steps, BLOCK_ROWS, self.k_step, dtype=dtype)
         )
         self.register_buffer("scales", torch.zeros(self.padded_out))
+        self.register_buffer("wsum", torch.zeros(self.padded_out, dtype=torch.int32))
         # Chunk by chunk: converting a 262k-row head at once would hold several full-size
         # temporaries (abs, quotient, rounding) at the peak.
         for start in range(0, self.out_features, CHUNK_ROWS):
@@ -196,10 +225,12 @@ class NativeLinear(nn.Module):
             scales = torch.ones(part.shape[0])
             if int8:
                 part, scales = symmetric_int8(part)
-            ilv = interleave(part)
+            ilv = interleave(part, self.k_step)
             first = start // BLOCK_ROWS
             self.weight_ilv[first : first + ilv.shape[0]] = ilv
             self.scales[start : start + part.shape[0]] = scales
+            if dynamic:
+                self.wsum[start : start + part.shape[0]] = part.sum(dim=1, dtype=torch.int32)
         bias = linear.bias
         self.bias_padded: torch.Tensor | None = (
             None
@@ -220,31 +251,60 @@ class NativeLinear(nn.Module):
             rows = rows.contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.padded_out)
-        self._fn(
-            rows.data_ptr(),
-            self.padded_in,
-            m,
-            self.padded_in,
-            self.weight_ilv.data_ptr(),
-            self.scales.data_ptr() if self.int8 else None,
-            self.padded_out,
-            None if self.bias_padded is None else self.bias_padded.data_ptr(),
-            y.data_ptr(),
-            self.padded_out,
-        )
+        if self.dynamic:
+            self.product_q8(rows, y)
+        else:
+            self._fn(
+                rows.data_ptr(),
+                self.padded_in,
+                m,
+                self.padded_in,
+                self.weight_ilv.data_ptr(),
+                self.scales.data_ptr() if self.int8 else None,
+                self.padded_out,
+                None if self.bias_padded is None else self.bias_padded.data_ptr(),
+                y.data_ptr(),
+                self.padded_out,
+            )
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def product_q8(
+        self,
+        rows: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        levels: int = 1,
+        bound: torch.Tensor | None = None,
+        exact: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``y = rows @ W^T (+ bias)`` through ``q8.c`` (``rows``: contiguous fp32, padded
+        width; ``y``: contiguous, padded width): ``levels`` 2 adds the residual's pass,
+        ``bound`` receives the per-row error bound, ``exact`` = (``xo [M, O]``, ``wo``
+        interleaved ``[N/8, O, 8, 1]`` fp32) adds channels computed in fp32 (see ``q8.c``)."""
+        xo, wo = exact if exact is not None else (None, None)
+        assert self.lib is not None and self.dynamic
+        self.lib.uag_linear_q8(
+            rows.data_ptr(), self.padded_in, rows.shape[0], self.padded_in,
+            self.weight_ilv.data_ptr(), self.scales.data_ptr(), self.wsum.data_ptr(),
+            self.padded_out,
+            None if self.bias_padded is None else self.bias_padded.data_ptr(),
+            y.data_ptr(), self.padded_out, levels,
+            None if bound is None else bound.data_ptr(),
+            None if xo is None else xo.data_ptr(), 0 if xo is None else xo.shape[1],
+            None if wo is None else wo.data_ptr(),
+        )  # fmt: skip
+
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, ``[out, in]`` fp32 (tests, tied embeddings)."""
         blocks, steps = self.weight_ilv.shape[:2]
-        w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * K_STEP)
+        w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * self.k_step)
         w = w[: self.out_features, : self.in_features].float()
         return w * self.scales[: self.out_features, None] if self.int8 else w
 
     def extra_repr(self) -> str:
-        kind = "int8 weight-only" if self.int8 else "fp32"
+        kind = "int8 dynamic" if self.dynamic else "int8 weight-only" if self.int8 else "fp32"
         return f"in_features={self.in_features}, out_features={self.out_features}, native {kind}"
 
 
@@ -262,6 +322,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     compatible = all(
         p.in_features == first.in_features
         and p.int8 == first.int8
+        and p.dynamic == first.dynamic
         and p.lib is first.lib
         and p.out_features == p.padded_out
         and (p.bias_padded is None) == (first.bias_padded is None)
@@ -272,10 +333,12 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     fused = NativeLinear.__new__(NativeLinear)
     nn.Module.__init__(fused)
     fused.lib, fused.int8, fused._fn = first.lib, first.int8, first._fn
+    fused.dynamic, fused.k_step = first.dynamic, first.k_step
     fused.in_features, fused.padded_in = first.in_features, first.padded_in
     fused.out_features = fused.padded_out = sum(p.out_features for p in layers)
     fused.register_buffer("weight_ilv", torch.cat([p.weight_ilv for p in layers]))
     fused.register_buffer("scales", torch.cat([p.scales for p in layers]))
+    fused.register_buffer("wsum", torch.cat([p.wsum for p in layers]))
     biases = [p.bias_padded for p in layers]
     fused.bias_padded = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
     fused.invariance = "invariant"
@@ -284,6 +347,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
         blocks = p.weight_ilv.shape[0]
         p.weight_ilv = fused.weight_ilv[start : start + blocks]
         p.scales = fused.scales[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]
+        p.wsum = fused.wsum[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]
         if fused.bias_padded is not None:
             p.bias_padded = fused.bias_padded[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]
         start += blocks

@@ -25,10 +25,11 @@ class _Linear(ctypes.Structure):
     _fields_ = [
         ("weight", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
+        ("wsum", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("in_", ctypes.c_int64),
         ("out", ctypes.c_int64),
-        ("int8", ctypes.c_int64),
+        ("kind", ctypes.c_int64),
     ]
 
 
@@ -69,10 +70,11 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
     return _Linear(
         layer.weight_ilv.data_ptr(),
         layer.scales.data_ptr() if layer.int8 else None,
+        layer.wsum.data_ptr() if layer.dynamic else None,
         None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
         layer.in_features,
         layer.out_features,
-        int(layer.int8),
+        2 if layer.dynamic else int(layer.int8),
     )
 
 

@@ -5,7 +5,8 @@
  * cost ~6 ms, a fifth of the head, plus ~3 ms for the full argmax that the candidates make
  * unnecessary. Here: ~0.1 ms per row.
  *
- * Row m's logit v is within bound = coef[v] * xn[m] + slack of its fp32 value (screened.py),
+ * Row m's logit v is within bound = coef[v] * xn[m] + coef2[v] * xr[m] + slack of its fp32
+ * value (screened.py),
  * so floor = max_v(logit - bound) is a lower bound of the best fp32 logit, and only tokens with
  * logit + bound >= floor can be the argmax: those are written out as (row, id), by row then
  * id. Each row is screened on its own (row-count invariance). Returns the number of
@@ -16,46 +17,51 @@
 #include <stdint.h>
 
 /* The bound, multiplied then added (never fused), the same in the vector and scalar paths. */
-static inline __m256 bound8(const float *coef, int64_t v, __m256 x, __m256 slack) {
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(coef + v), x), slack);
+static inline __m256 bound8(const float *coef, const float *coef2, int64_t v, __m256 x, __m256 r,
+                            __m256 slack) {
+    return _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(coef + v), x),
+                                       _mm256_mul_ps(_mm256_loadu_ps(coef2 + v), r)),
+                         slack);
 }
-static inline float bound1(const float *coef, int64_t v, float x, float slack) {
-    return coef[v] * x + slack;
+static inline float bound1(const float *coef, const float *coef2, int64_t v, float x, float r,
+                           float slack) {
+    return (coef[v] * x + coef2[v] * r) + slack;
 }
 
 int64_t uag_screen(const float *logits, int64_t M, int64_t V, int64_t ldl, const float *coef,
-                   const float *xn, float slack, int64_t *rows, int64_t *cols, int64_t cap) {
+                   const float *xn, const float *coef2, const float *xr, float slack,
+                   int64_t *rows, int64_t *cols, int64_t cap) {
     int64_t count = 0;
     const __m256 s = _mm256_set1_ps(slack);
     for (int64_t m = 0; m < M; m++) {
         const float *l = logits + m * ldl;
-        const __m256 x = _mm256_set1_ps(xn[m]);
+        const __m256 x = _mm256_set1_ps(xn[m]), r = _mm256_set1_ps(xr[m]);
         __m256 lo[4];
         for (int j = 0; j < 4; j++) lo[j] = _mm256_set1_ps(-INFINITY);
         int64_t v = 0;
         for (; v + 32 <= V; v += 32)
             for (int j = 0; j < 4; j++) {
                 const int64_t u = v + 8 * j;
-                lo[j] = _mm256_max_ps(lo[j], _mm256_sub_ps(_mm256_loadu_ps(l + u), bound8(coef, u, x, s)));
+                lo[j] = _mm256_max_ps(lo[j], _mm256_sub_ps(_mm256_loadu_ps(l + u), bound8(coef, coef2, u, x, r, s)));
             }
         for (; v + 8 <= V; v += 8)
-            lo[0] = _mm256_max_ps(lo[0], _mm256_sub_ps(_mm256_loadu_ps(l + v), bound8(coef, v, x, s)));
+            lo[0] = _mm256_max_ps(lo[0], _mm256_sub_ps(_mm256_loadu_ps(l + v), bound8(coef, coef2, v, x, r, s)));
         float floor = -INFINITY;
         for (int j = 0; j < 4; j++)
             for (int i = 0; i < 8; i++) floor = lo[j][i] > floor ? lo[j][i] : floor;
         for (; v < V; v++) {
-            const float low = l[v] - bound1(coef, v, xn[m], slack);
+            const float low = l[v] - bound1(coef, coef2, v, xn[m], xr[m], slack);
             floor = low > floor ? low : floor;
         }
         const __m256 f = _mm256_set1_ps(floor);
         for (v = 0; v < V; v += 8) {
             int mask = 0;
             if (v + 8 <= V) {
-                const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(l + v), bound8(coef, v, x, s));
+                const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(l + v), bound8(coef, coef2, v, x, r, s));
                 mask = _mm256_movemask_ps(_mm256_cmp_ps(hi, f, _CMP_GE_OQ));
             } else {
                 for (int i = 0; v + i < V; i++)
-                    mask |= (l[v + i] + bound1(coef, v + i, xn[m], slack) >= floor) << i;
+                    mask |= (l[v + i] + bound1(coef, coef2, v + i, xn[m], xr[m], slack) >= floor) << i;
             }
             while (mask) {
                 const int i = __builtin_ctz(mask);

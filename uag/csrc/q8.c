@@ -1,0 +1,210 @@
+/* Dynamic int8 products on AVX2: int8 weights times int8 activations, exact int32 sums.
+ *
+ * Why: skinny.c's weight-only int8 widens every weight to fp32 before its multiply-add (three
+ * instructions per 8 products), so an int8 layer is bound by that widening, not by memory:
+ * SmolLM2-135M's int8 body drafts one row at ~11 GB/s and 8 rows at ~60 GFLOP/s. Quantising the
+ * activation row too (7 bits, per row, at call time) lets vpmaddubsw + vpmaddwd do 32 products
+ * in two instructions, so the same weights cost ~a third of the instructions and more rows ride
+ * almost free on one read of the weights.
+ *
+ * Used where approximation is allowed and bounded: the assistant's layers (only the target
+ * decides the output), and uag/screened.py's screening head, which runs two levels (the row,
+ * then what its 7 bits missed) and reports a per-row bound on what both missed, so screening
+ * stays exact.
+ *
+ * Activations: row m becomes u[k] in 0..127 with x[k] ~ scale * (u[k] - zp), asymmetric over
+ * [min(x, 0), max(x, 0)] in 126 steps (so rounding never needs the clamp). 7 bits, not 8:
+ * vpmaddubsw adds two u8 x s8 products into an int16, which 127 * 127 * 2 cannot overflow.
+ * Weights: symmetric int8 (-127..127) with one float scale per output, in the layout
+ * [N/8][K/4][8][4] (eight outputs' four consecutive weights side by side: one 32-byte load per
+ * vector), with wsum[n] = sum_k q[n, k] for the zero-point correction:
+ *   y[m, n] = scale_x[m] * scale_w[n] * (sum_k q[n, k] u[m, k] - zp[m] * wsum[n]) + bias[n].
+ * Integer sums are exact, so a row's result never depends on the other rows in the call.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8 /* outputs per vector */
+#define QK 4    /* consecutive inputs per output in one 32-bit lane */
+
+/* Row x[0..K) → u[0..Kp) (Kp a multiple of QK, padding at the zero point), its scale and zero
+ * point; and when residual != NULL, residual[k] = x[k] - scale * (u[k] - zp). Returns max|x|. */
+static float quantize_row(const float *x, int64_t K, int64_t Kp, uint8_t *u, float *scale,
+                          int32_t *zp, float *residual) {
+    __m256 lo8 = _mm256_setzero_ps(), hi8 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        lo8 = _mm256_min_ps(lo8, v);
+        hi8 = _mm256_max_ps(hi8, v);
+    }
+    float lo = 0.0f, hi = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        lo = lo8[i] < lo ? lo8[i] : lo;
+        hi = hi8[i] > hi ? hi8[i] : hi;
+    }
+    for (; k < K; k++) {
+        lo = x[k] < lo ? x[k] : lo;
+        hi = x[k] > hi ? x[k] : hi;
+    }
+    float s = (hi - lo) / 126.0f;
+    if (!(s > 0.0f)) s = 1.0f; /* an all-zero row */
+    const float inv = 1.0f / s;
+    int32_t z = (int32_t)nearbyintf(-lo * inv);
+    z = z < 0 ? 0 : z > 127 ? 127 : z;
+    const __m256 vinv = _mm256_set1_ps(inv), vs = _mm256_set1_ps(s);
+    const __m256 vz = _mm256_set1_ps((float)z), top = _mm256_set1_ps(127.0f);
+    for (k = 0; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), _mm256_setzero_ps()), top);
+        const __m256i i32 = _mm256_cvtps_epi32(q);
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64((__m128i *)(u + k), _mm_packus_epi16(i16, i16));
+        if (residual)
+            _mm256_storeu_ps(residual + k, _mm256_sub_ps(v, _mm256_mul_ps(vs, _mm256_sub_ps(q, vz))));
+    }
+    for (; k < K; k++) {
+        float q = nearbyintf(x[k] * inv) + (float)z;
+        q = q < 0.0f ? 0.0f : q > 127.0f ? 127.0f : q;
+        u[k] = (uint8_t)q;
+        if (residual) residual[k] = x[k] - s * (q - (float)z);
+    }
+    for (; k < Kp; k++) u[k] = (uint8_t)z;
+    *scale = s;
+    *zp = z;
+    return hi > -lo ? hi : -lo;
+}
+
+/* Rows [0, mb) of u against nv vectors of outputs over all K/4 quads: int32 sums into state
+ * (row i, vector j at state[i * 8 + j]). mb and nv are constants after inlining. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *u, int64_t ldu, const int mb,
+                                                       int64_t Kq, const int8_t *w, const int nv,
+                                                       __m256i *state) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[8][8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_si256();
+    for (int64_t kq = 0; kq < Kq; kq++) {
+        __m256i wv[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)
+            wv[j] = _mm256_loadu_si256((const __m256i *)(w + ((int64_t)j * Kq + kq) * LANES * QK));
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
+            int32_t four;
+            memcpy(&four, u + i * ldu + kq * QK, sizeof four);
+            const __m256i xb = _mm256_set1_epi32(four);
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = _mm256_add_epi32(
+                acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, wv[j]), ones));
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];
+}
+
+#define CASE(MB, NV) case (MB) * 16 + (NV): tile(u, ldu, MB, Kq, w, NV, state); break;
+static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
+                     __m256i *state) {
+    switch (mb * 16 + nv) {
+        CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1) CASE(7, 1) CASE(8, 1)
+        CASE(1, 2) CASE(2, 2) CASE(3, 2) CASE(4, 2) CASE(5, 2) CASE(6, 2)
+        CASE(1, 3) CASE(2, 3) CASE(3, 3)
+        CASE(1, 4) CASE(2, 4)
+        CASE(1, 8)
+        default: abort(); /* tile_vectors / max_rows never ask for another shape */
+    }
+}
+
+/* Vectors per tile and rows per pass by row count (mb * nv accumulators + nv weights + 2 fit in
+ * 16 registers; more rows take several passes over a tile whose weights are then in cache). */
+static int tile_vectors(int64_t M) { (void)M; return 1; }
+static int max_rows(int nv) { return nv == 8 ? 1 : nv == 4 ? 2 : nv == 3 ? 3 : nv == 2 ? 6 : 8; }
+
+#define GROUP 32 /* rows whose sums stay in one state buffer (32 x 8 vectors, 8 KB) */
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) through the dynamic int8 product.
+ *
+ * levels 1: each row quantised once. levels 2: each row and then its residual (what the first
+ * 7 bits missed) go through the product as two rows, and y is their sum: the error left is what
+ * the residual's 7 bits miss, ~1/126 of one level's. When bound != NULL, bound[m] receives a
+ * per-row r such that |y[m, n] - sum_k w^[n, k] x[m, k]| <= r * sum_k |w^[n, k]| (w^ = the
+ * dequantised weight), float rounding included; ScreenedHead adds the weight's own rounding.
+ *
+ * Exact channels (ScreenedHead's outliers, O of them; O = 0 for none): xo[M, O] times wo, fp32
+ * weights in skinny.c's layout [N/8][O][8], added to the integer part of each output, one fused
+ * multiply-add per channel in order. x must hold zeros in those channels. */
+void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
+                   const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
+                   float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
+                   int64_t O, const float *wo) {
+    const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * levels;
+    uint8_t *u = (uint8_t *)malloc((size_t)(R * Kp));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)R);
+    int32_t *zp = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
+    float *res = levels > 1 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
+    for (int64_t m = 0; m < M; m++) {
+        const float top = quantize_row(x + m * ldx, K, Kp, u + m * levels * Kp, xs + m * levels,
+                                       zp + m * levels, levels > 1 ? res : NULL);
+        for (int64_t l = 1; l < levels; l++) {
+            const int64_t r = m * levels + l;
+            quantize_row(res, K, Kp, u + r * Kp, xs + r, zp + r, l + 1 < levels ? res : NULL);
+        }
+        /* What the last level misses: half a step (rounding to nearest; 1 % for the products'
+         * own rounding of x / scale), plus float rounding of the residual and of the output
+         * (a few ulps of max|x| per unit of |w^|). */
+        if (bound) bound[m] = 0.505f * xs[m * levels + levels - 1] + 4e-6f * top;
+    }
+    const int64_t vectors = N / LANES;
+    const int nv = tile_vectors(R < GROUP ? R : GROUP), most = max_rows(nv);
+    const int64_t tiles = (vectors + nv - 1) / nv;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t v0 = t * nv, n0 = v0 * LANES;
+        const int width = vectors - v0 < nv ? (int)(vectors - v0) : nv;
+        const int step = width == nv ? nv : 1;
+        const int8_t *wt = w + n0 * Kp;
+        for (int64_t g0 = 0; g0 < R; g0 += GROUP) {
+            const int64_t rows = R - g0 < GROUP ? R - g0 : GROUP;
+            const int64_t passes = (rows + most - 1) / most;
+            __m256i state[GROUP * 8];
+            int64_t m0 = 0;
+            for (int64_t p = 0; p < passes; p++) {
+                const int64_t left = rows - m0, rest = passes - p;
+                const int mb = (int)((left + rest - 1) / rest);
+                for (int j = 0; j < width; j += step)
+                    dispatch(u + (g0 + m0) * Kp, Kp, mb, Kq, wt + j * LANES * Kp, step,
+                             state + m0 * 8 + j);
+                m0 += mb;
+            }
+            for (int64_t i = 0; i < rows; i++) {
+                const int64_t r = g0 + i, m = r / levels;
+                for (int j = 0; j < width; j++) {
+                    const int64_t n = n0 + j * LANES;
+                    const __m256i corr = _mm256_mullo_epi32(
+                        _mm256_set1_epi32(zp[r]), _mm256_loadu_si256((const __m256i *)(wsum + n)));
+                    const __m256 s = _mm256_mul_ps(_mm256_set1_ps(xs[r]), _mm256_loadu_ps(wscale + n));
+                    __m256 v = _mm256_mul_ps(
+                        _mm256_cvtepi32_ps(_mm256_sub_epi32(state[i * 8 + j], corr)), s);
+                    float *out = y + m * ldy + n;
+                    if (r % levels != 0) {
+                        v = _mm256_add_ps(_mm256_loadu_ps(out), v);
+                    } else {
+                        if (O > 0) {
+                            __m256 e = _mm256_setzero_ps();
+                            const float *wb = wo + (n / LANES) * O * LANES;
+                            for (int64_t o = 0; o < O; o++)
+                                e = _mm256_fmadd_ps(_mm256_set1_ps(xo[m * O + o]),
+                                                    _mm256_loadu_ps(wb + o * LANES), e);
+                            v = _mm256_add_ps(v, e);
+                        }
+                        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+                    }
+                    _mm256_storeu_ps(out, v);
+                }
+            }
+        }
+    }
+    free(u), free(xs), free(zp), free(res);
+}
