@@ -90,6 +90,9 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *u, int64_t
         _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_si256();
     for (int64_t kq = 0; kq < Kq; kq++) {
         __m256i wv[8];
+        if ((kq & 1) == 0) /* a tile's streams, 1 KB ahead: ~15 % at 8 rows (2 Zen 3 cores) */
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) _mm_prefetch(
+                (const char *)(w + ((int64_t)j * Kq + kq) * LANES * QK) + 1024, _MM_HINT_T0);
         _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)
             wv[j] = _mm256_loadu_si256((const __m256i *)(w + ((int64_t)j * Kq + kq) * LANES * QK));
         _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
