@@ -1,7 +1,7 @@
 """The learned controller at run time: an ONNX classifier behind the stop-policy protocol.
 
 Before each iteration it scores a *gate row* (only what is known before drafting: the target's
-confidence in its last token, recent agreement) and skips drafting when drafting is unlikely to
+confidence in its last token, how far into the answer) and skips drafting when drafting is unlikely to
 pay; after each drafted token it scores the token's feature row and stops below its threshold.
 Both rows come from ``uag.features``, the code ``uag collect`` used for the training data.
 """

@@ -202,11 +202,34 @@ def test_bootstrap_interval_is_paired_by_prompt():
     assert (low, high) == bootstrap_interval(base, arm)
 
 
+def test_features_mean_the_same_under_any_policy():
+    """Schema 2: what earlier rounds drafted and accepted (which depends on the policy that ran
+    them) never reaches a feature row, and ``generated`` stops at the collected horizon."""
+    from controllers.base import DraftStep
+    from uag.features import GENERATED_HORIZON, feature_row
+
+    def row(**changes: float) -> np.ndarray:
+        fields = dict(
+            iteration=4, generated=20, remaining=100, prev_drafted=6, prev_accepted=1,
+            drafted_total=24, accepted_total=6, target_prob=0.9, target_entropy=0.3,
+        )  # fmt: skip
+        ctx = DraftContext(**{**fields, **changes})  # type: ignore[arg-type]
+        return feature_row(DraftStep(
+            position=2, token_id=7, token_bytes=b"(", prob=0.8, entropy=0.5, margin=0.6,
+            cum_logprob=-0.3, min_prob=0.8, target_tokens=2, context=ctx,
+        ))  # fmt: skip
+
+    base = row()
+    assert np.array_equal(base, row(prev_drafted=1, prev_accepted=1, accepted_total=20))
+    assert np.array_equal(row(generated=GENERATED_HORIZON), row(generated=10 * GENERATED_HORIZON))
+    assert not np.array_equal(base, row(target_prob=0.2))  # what the target says does count
+
+
 def test_the_shipped_controller_loads_and_decides_sensibly():
     """exports/ctrl.onnx as users get it: its contract matches this code, it rates a confident
-    draft above a hopeless one, and stops after the hopeless one. (It also stops after this
-    confident one: its threshold, 0.82, keeps rounds short; issue 9's cost-based rule is the
-    fix, not this test.)"""
+    draft above a hopeless one, keeps drafting after the confident one and stops after the
+    hopeless one. (The schema-1 controller stopped after both: it read a confident draft after
+    a short, fully accepted round as ~0.67, below its 0.82 threshold.)"""
     from pathlib import Path
 
     from controllers.base import DraftStep
@@ -234,3 +257,4 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
     confident, hopeless = (policy._score(feature_row(step(p))) for p in (0.99, 0.02))
     assert confident > hopeless + 0.2
     assert policy.stop(step(0.02))
+    assert not policy.stop(step(0.99))

@@ -6,6 +6,13 @@ a feature is added, removed, re-ordered or re-defined; ONNX controllers carry th
 names, and the runtime refuses a mismatch.
 
 Every feature is cheap: numbers the loop already has, no second model call.
+
+Every feature means the same under any stop policy (schema 2). Schema 1 also had the previous
+round's drafted and accepted counts and the running acceptance rate: collection always drafts
+the full lookahead, so in training they sat near 5.5 drafted and ~25 % accepted, while under a
+learned policy they are 1-3 and ~80 %, inputs the classifier never saw (issue 9: a short,
+fully accepted round closed the shipped controller's gate). ``generated`` is bounded at the
+collected horizon for the same reason.
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ import numpy as np
 
 from controllers.base import DraftContext, DraftStep
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+GENERATED_HORIZON = 64
+"""``generated`` stops growing here: ``uag collect``'s default horizon, beyond which the feature
+would ask the classifier to extrapolate."""
 
 _PUNCT = set(string.punctuation) | set("…—–“”‘’«»、。，！？：；")
 
@@ -71,16 +82,6 @@ FEATURES: tuple[Feature, ...] = (
         "min_prob", "the weakest link of the draft so far bounds its survival", lambda s: s.min_prob
     ),
     Feature(
-        "prev_drafted",
-        "how far the previous round drafted (context for the next feature)",
-        lambda s: s.context.prev_drafted,
-    ),
-    Feature(
-        "prev_accepted",
-        "agreement is bursty: a well-accepted round predicts another",
-        lambda s: s.context.prev_accepted,
-    ),
-    Feature(
         "target_prob",
         "the target's confidence in its last token: predictable text ahead",
         lambda s: _finite(s.context.target_prob, 0.5),
@@ -91,14 +92,9 @@ FEATURES: tuple[Feature, ...] = (
         lambda s: _finite(s.context.target_entropy, 2.0),
     ),
     Feature(
-        "running_accept",
-        "how well the two models agree on this sequence so far (0.5 before any draft)",
-        lambda s: (s.context.accepted_total + 1) / (s.context.drafted_total + 2),
-    ),
-    Feature(
         "generated",
-        "log of target tokens generated so far: the start of an answer is harder",
-        lambda s: math.log1p(s.context.generated),
+        "log of target tokens generated so far (bounded): the start of an answer is harder",
+        lambda s: math.log1p(min(s.context.generated, GENERATED_HORIZON)),
     ),
     Feature(
         "is_space",
