@@ -34,6 +34,9 @@ class ControllerInfo:
     target: str
     assistant: str
     assistant_int8: bool
+    decoding: str
+    """``greedy`` or ``sampling``: the decoding its training data was collected under (files
+    exported before this was recorded carry none and were all greedy)."""
     latency_profile: dict[str, Any]
     raw: dict[str, str] = field(repr=False)
 
@@ -74,6 +77,7 @@ def read_contract(path: Path, session: Any) -> ControllerInfo:
             target=meta.get("target", "?"),
             assistant=meta.get("assistant", "?"),
             assistant_int8=json.loads(meta.get("assistant_int8", "false")),
+            decoding=meta.get("decoding", "greedy"),
             latency_profile=json.loads(meta.get("latency_profile", "{}")),
             raw=meta,
         )
@@ -112,9 +116,16 @@ class LearnedPolicy:
         return float(np.asarray(out).reshape(-1)[0])
 
     def warn_if_foreign(
-        self, *, target: str, assistant: str, assistant_int8: bool, device: str
+        self,
+        *,
+        target: str,
+        assistant: str,
+        assistant_int8: bool,
+        device: str,
+        decoding: str = "greedy",
     ) -> list[str]:
-        """Warnings (printed to stderr) when run on another pair or device than trained for."""
+        """Warnings (printed to stderr) when run on another pair, device or decoding mode than
+        trained for (a mismatch changes speed, never the output or its distribution)."""
         notes = []
         if (self.info.target, self.info.assistant) != (target, assistant):
             notes.append(
@@ -124,12 +135,15 @@ class LearnedPolicy:
             notes.append(
                 f"trained with assistant_int8={self.info.assistant_int8}, running with {assistant_int8}"
             )
+        if self.info.decoding != decoding:
+            notes.append(f"trained on {self.info.decoding} decoding, running {decoding}")
         trained_device = str(self.info.latency_profile.get("device", "?")).split(":")[0]
         if trained_device != device:
             notes.append(f"trained on {trained_device}, running on {device}")
         for note in notes:
             print(
-                f"uag: warning: controller {self.path.name} {note}; its thresholds may not fit",
+                f"uag: warning: controller {self.path.name} {note}; its thresholds may not fit "
+                "(the output is unaffected)",
                 file=sys.stderr,
             )
         return notes

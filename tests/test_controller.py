@@ -202,6 +202,20 @@ def test_bootstrap_interval_is_paired_by_prompt():
     assert (low, high) == bootstrap_interval(base, arm)
 
 
+def test_foreign_pair_device_or_decoding_is_named(tmp_path, capsys):
+    _export(tmp_path / "c.onnx")
+    policy = LearnedPolicy(tmp_path / "c.onnx")
+    assert policy.info.decoding == "greedy"  # recorded by newer exports, the default for older
+    home = dict(target="gemma-3-270m", assistant="smollm2-135m", assistant_int8=False, device="cpu")
+    assert policy.warn_if_foreign(**home) == []
+    assert policy.warn_if_foreign(**home, decoding="sampling") == [
+        "trained on greedy decoding, running sampling"
+    ]
+    assert "its thresholds may not fit (the output is unaffected)" in capsys.readouterr().err
+    notes = policy.warn_if_foreign(**{**home, "assistant_int8": True, "device": "cuda"})
+    assert len(notes) == 2
+
+
 def test_features_mean_the_same_under_any_policy():
     """Schema 2: what earlier rounds drafted and accepted (which depends on the policy that ran
     them) never reaches a feature row, and ``generated`` stops at the collected horizon."""

@@ -79,6 +79,7 @@ def test_train_end_to_end_onnx_parity_and_metadata(tmp_path):
     assert 0 < float(meta["threshold"]) < 1
     assert json.loads(meta["latency_profile"]) == PROFILE
     assert meta["target"] == "t" and meta["assistant"] == "a" and len(meta["data_hash"]) == 64
+    assert meta["decoding"] == "greedy"  # what the data was collected under
     data = load_runs([run])
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     onnx_p = sess.run(["p_accept"], {"features": data.features[:50]})[0]

@@ -189,6 +189,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         "target": meta["target"],
         "assistant": meta["assistant"],
         "assistant_int8": json.dumps(bool(meta.get("assistant_int8", False))),
+        "decoding": str(meta.get("decoding", "greedy")),
         "latency_profile": meta["latency_profile"],
         "data_hash": train_set.data_hash,
         "val_auc": auc,

@@ -264,12 +264,7 @@ def run_generate(args: argparse.Namespace) -> int:
             assistant=args.assistant,
             assistant_int8=args.assistant_int8,
             device=pair.target.device.type,
-        )
-    if learned is not None and sampling is not None:
-        print(
-            "uag: warning: the controller was trained on greedy decoding; under --sample its "
-            "stop decisions see sampled drafts (output distribution unaffected)",
-            file=sys.stderr,
+            decoding="greedy" if sampling is None else "sampling",
         )
     common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat, "sampling": sampling}
     reference = None

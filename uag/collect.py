@@ -224,6 +224,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
             "target": cfg.target,
             "assistant": cfg.assistant,
             "assistant_int8": cfg.assistant_int8,
+            "decoding": "greedy",  # collect drafts and verifies greedily (issue 10: sampling)
             "kernels": pair.kernels,
             "prompt_source": cfg.prompts,
             "text_column": cfg.text_column,
