@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
+from controllers.base import DraftStep, StopPolicy
 from uag.bridge import Bridge, ends_on_char_boundary
 from uag.errors import UagError
 from uag.runner import CachedLM
@@ -41,8 +41,10 @@ from uag.speculative import (
     LoopOutput,
     OnTokens,
     StopReason,
+    _Agreement,
     _AssistantText,
     _clip,
+    _commit,
 )
 
 TOP_P_WINDOW = 4096
@@ -298,26 +300,17 @@ def speculative_sample(
     a_text = _AssistantText(assistant, bridge)
     records: list[IterationRecord] = []
     reason: StopReason = "max_new_tokens"
-    prev = IterationOutcome(drafted=0, accepted=0)
-    drafted_total = accepted_total = 0
+    agreement = _Agreement()
     target_vocab = target.vocab_size
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         t0 = clock()
-        new = bytes(text[len(a_text.data) :])
-        ids, _ = bridge.assistant.continuation(
-            tail=bridge.tail(bridge.assistant, assistant.ids), new=new
-        )
-        a_text.append(ids)
+        a_text.sync(bridge, text)
         bridge_s = clock() - t0
-        ctx = DraftContext(
+        ctx = agreement.context(
             iteration=len(records),
             generated=len(target.ids) - t_start,
             remaining=room,
-            prev_drafted=prev.drafted,
-            prev_accepted=prev.accepted,
-            drafted_total=drafted_total,
-            accepted_total=accepted_total,
             target_prob=math.nan,
             target_entropy=math.nan,
         )
@@ -374,23 +367,15 @@ def speculative_sample(
             draft=draft, q_rows=q_rows, p_row=_Processed(rows, sampling), gen=gen
         )
         emitted, hit_eos = _clip(emitted, eos_ids=target_eos, room=room)
-        in_cache = min(accepted, len(emitted))
-        target.truncate(base + in_cache)
-        target.ids.extend(emitted[in_cache:])
+        in_cache = _commit(target, base=base, accepted=accepted, emitted=emitted)
         verify_s = clock() - t0
         text += bridge.target.bytes_of(emitted)
         if on_tokens:
             on_tokens(emitted)
 
         t0 = clock()
-        kept = a_text.keep_prefix_of(text)
-        accepted_drafts = max(kept - committed, 0)
+        outcome = agreement.settle(a_text, text, committed=committed, drafted=len(draft))
         bridge_s += clock() - t0
-        outcome = IterationOutcome(drafted=len(draft), accepted=accepted_drafts)
-        if draft:
-            prev = outcome
-        drafted_total += len(draft)
-        accepted_total += accepted_drafts
         policy.update(outcome)
         records.append(
             IterationRecord(
@@ -398,7 +383,7 @@ def speculative_sample(
                 candidates=len(draft),
                 accepted_candidates=in_cache,
                 emitted=len(emitted),
-                accepted_drafts=accepted_drafts,
+                accepted_drafts=outcome.accepted,
                 draft_s=draft_s,
                 verify_s=verify_s,
                 bridge_s=bridge_s,

@@ -155,6 +155,14 @@ class _AssistantText:
             self.ends.append(len(self.data))
         self.lm.ids.extend(ids)
 
+    def sync(self, bridge: Bridge, text: bytes | bytearray) -> None:
+        """Feed the assistant the target text it has not seen (whole characters only)."""
+        new = bytes(text[len(self.data) :])
+        ids, _ = bridge.assistant.continuation(
+            tail=bridge.tail(bridge.assistant, self.lm.ids), new=new
+        )
+        self.append(ids)
+
     def keep_prefix_of(self, text: bytes | bytearray) -> int:
         """Keep the longest token prefix whose bytes are a prefix of ``text``; return its length."""
         common = _common_prefix_len(self.data, text)
@@ -163,6 +171,59 @@ class _AssistantText:
         del self.data[self.ends[-1] if self.ends else 0 :]
         self.lm.truncate(self.start + keep)
         return keep
+
+
+def _commit(target: CachedLM, *, base: int, accepted: int, emitted: list[int]) -> int:
+    """After a verify from ``base``: keep the accepted candidates cached, append the rest of
+    ``emitted`` (uncached); return how many emitted tokens were already in the cache."""
+    in_cache = min(accepted, len(emitted))
+    target.truncate(base + in_cache)
+    target.ids.extend(emitted[in_cache:])
+    return in_cache
+
+
+@dataclass
+class _Agreement:
+    """How the two models have agreed so far: what each round's ``DraftContext`` reports."""
+
+    prev: IterationOutcome = IterationOutcome(drafted=0, accepted=0)
+    """The last round that drafted: a skipped round says nothing about agreement, and
+    forgetting would lock a gate that skips once into skipping."""
+    drafted_total: int = 0
+    accepted_total: int = 0
+
+    def context(
+        self,
+        *,
+        iteration: int,
+        generated: int,
+        remaining: int,
+        target_prob: float,
+        target_entropy: float,
+    ) -> DraftContext:
+        return DraftContext(
+            iteration=iteration,
+            generated=generated,
+            remaining=remaining,
+            prev_drafted=self.prev.drafted,
+            prev_accepted=self.prev.accepted,
+            drafted_total=self.drafted_total,
+            accepted_total=self.accepted_total,
+            target_prob=target_prob,
+            target_entropy=target_entropy,
+        )
+
+    def settle(
+        self, a_text: _AssistantText, text: bytes | bytearray, *, committed: int, drafted: int
+    ) -> IterationOutcome:
+        """Resync: keep the drafted tokens whose text the target accepted; record the round."""
+        accepted = max(a_text.keep_prefix_of(text) - committed, 0)
+        outcome = IterationOutcome(drafted=drafted, accepted=accepted)
+        if drafted:
+            self.prev = outcome
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        return outcome
 
 
 def _candidates(
@@ -219,8 +280,7 @@ def speculative_generate(
     a_text = _AssistantText(assistant, bridge)
     records: list[IterationRecord] = []
     reason: StopReason = "max_new_tokens"
-    prev = IterationOutcome(drafted=0, accepted=0)
-    drafted_total = accepted_total = 0
+    agreement = _Agreement()
     target_prob = target_entropy = math.nan
     # Target statistics and per-step re-encoding counts cost a little: only when someone reads them.
     rich = keep_steps or policy.needs_features
@@ -228,23 +288,15 @@ def speculative_generate(
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
         t0 = clock()
-        new = bytes(text[len(a_text.data) :])
-        ids, _ = bridge.assistant.continuation(
-            tail=bridge.tail(bridge.assistant, assistant.ids), new=new
-        )
-        a_text.append(ids)
+        a_text.sync(bridge, text)
         text_complete = ends_on_char_boundary(text)
         bridge_s = clock() - t0
 
         # 2. draft.
-        ctx = DraftContext(
+        ctx = agreement.context(
             iteration=len(records),
             generated=len(target.ids) - t_start,
             remaining=room,
-            prev_drafted=prev.drafted,
-            prev_accepted=prev.accepted,
-            drafted_total=drafted_total,
-            accepted_total=accepted_total,
             target_prob=target_prob,
             target_entropy=target_entropy,
         )
@@ -321,9 +373,7 @@ def speculative_generate(
         emitted, hit_eos = _clip(
             candidates[:accepted] + [preds[accepted]], eos_ids=target_eos, room=room
         )
-        in_cache = min(accepted, len(emitted))
-        target.truncate(base + in_cache)
-        target.ids.extend(emitted[in_cache:])
+        in_cache = _commit(target, base=base, accepted=accepted, emitted=emitted)
         if rich:  # the target's view of the last token it emitted: a feature for the next round
             last = len(emitted) - 1  # head row that chose the last emitted token
             if alone is not None and last == accepted:
@@ -337,16 +387,8 @@ def speculative_generate(
 
         # 5. resync: keep the drafted tokens whose text the target accepted.
         t0 = clock()
-        kept = a_text.keep_prefix_of(text)
-        accepted_drafts = max(kept - committed, 0)
+        outcome = agreement.settle(a_text, text, committed=committed, drafted=len(steps))
         bridge_s += clock() - t0
-        outcome = IterationOutcome(drafted=len(steps), accepted=accepted_drafts)
-        if steps:
-            # "previous round" means the last round that drafted: a skipped round says nothing
-            # about agreement, and forgetting would lock a gate that skips once into skipping.
-            prev = outcome
-        drafted_total += len(steps)
-        accepted_total += accepted_drafts
         t0 = clock()
         policy.update(outcome)
         policy_s += clock() - t0
@@ -356,7 +398,7 @@ def speculative_generate(
                 candidates=len(candidates),
                 accepted_candidates=in_cache,
                 emitted=len(emitted),
-                accepted_drafts=accepted_drafts,
+                accepted_drafts=outcome.accepted,
                 draft_s=draft_s,
                 verify_s=verify_s,
                 bridge_s=bridge_s,
