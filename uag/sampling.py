@@ -45,6 +45,7 @@ from uag.speculative import (
     _AssistantText,
     _clip,
     _commit,
+    target_only_loop,
 )
 
 TOP_P_WINDOW = 4096
@@ -247,24 +248,15 @@ def target_only_sample(
 ) -> LoopOutput:
     """The reference: the target alone, one sample of ``processed_probs`` per step."""
     gen = sampling.generator()
-    started = time.perf_counter()
-    target.reset(prompt_ids, rollback=False)
-    start = len(target.ids)
-    reason: StopReason = "max_new_tokens"
-    while len(target.ids) - start < max_new_tokens:
-        probs = processed_probs(target.full_logits(target.forward()[-1:]), sampling)[0]
-        tok = categorical(probs, gen)
-        target.ids.append(tok)
-        if on_tokens:
-            on_tokens([tok])
-        if tok in target_eos:
-            reason = "eos"
-            break
-    return LoopOutput(
-        ids=target.ids[start:],
-        stop_reason=reason,
-        seconds=time.perf_counter() - started,
-        iterations=[],
+    return target_only_loop(
+        target=target,
+        target_eos=target_eos,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        on_tokens=on_tokens,
+        next_token=lambda hidden: categorical(
+            processed_probs(target.full_logits(hidden), sampling)[0], gen
+        ),
     )
 
 

@@ -114,13 +114,33 @@ def target_only_generate(
     on_tokens: OnTokens | None = None,
 ) -> LoopOutput:
     """Plain greedy decoding with the same forward and head as verification (the reference)."""
+    return target_only_loop(
+        target=target,
+        target_eos=target_eos,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new_tokens,
+        on_tokens=on_tokens,
+        next_token=lambda hidden: target.greedy(hidden).ids[0],
+    )
+
+
+def target_only_loop(
+    *,
+    target: CachedLM,
+    target_eos: frozenset[int],
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    on_tokens: OnTokens | None,
+    next_token: Callable[[torch.Tensor], int],
+) -> LoopOutput:
+    """The target alone, one token per forward: ``next_token`` picks it from the last hidden
+    state ``[1, h]`` (greedy or sampled)."""
     start_time = time.perf_counter()
     target.reset(prompt_ids, rollback=False)
     start = len(target.ids)
     reason: StopReason = "max_new_tokens"
     while len(target.ids) - start < max_new_tokens:
-        hidden = target.forward()
-        tok = target.greedy(hidden[-1:]).ids[0]
+        tok = next_token(target.forward()[-1:])
         target.ids.append(tok)
         if on_tokens:
             on_tokens([tok])
