@@ -18,6 +18,7 @@ from uag.bench import ArmRun, BenchConfig, bootstrap_interval, rotated, run_benc
 from uag.cli import main
 from uag.errors import UagError
 from uag.features import FEATURE_NAMES, SCHEMA_VERSION, gate_row
+from uag.sampling import SamplingConfig
 
 PROFILE = {"device": "cpu:test", "draft_s": 0.03, "verify_s": [0.08, 0.1]}
 
@@ -144,7 +145,7 @@ def test_bad_bench_input(tmp_path, capsys, tiny_dirs):
 
 
 def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
-    def broken(prompt: str, n: int) -> ArmRun:
+    def broken(prompt: str, n: int, seed: int | None) -> ArmRun:
         res = uag.generate(pair, prompt, policy=None, max_new_tokens=n)
         ids = res.token_ids[:-1] + [(res.token_ids[-1] + 1) % 100]  # one wrong token at the end
         return ArmRun(ids=ids, seconds=res.seconds, target_forwards=res.new_tokens)
@@ -183,6 +184,58 @@ def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
         "seconds",
     }
     assert json.loads(json.dumps(report.to_json())) == report.to_json()  # plain JSON types
+
+
+def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
+    """Under --sample the identity check becomes the paired log-probability check: exact
+    speculative sampling passes it, an arm that samples another distribution fails it."""
+    seeds: list[int | None] = []
+
+    def greedy(prompt: str, n: int, seed: int | None) -> ArmRun:
+        seeds.append(seed)  # ignores the sampling settings: argmax is not a sample of p
+        res = uag.generate(pair, prompt, policy=None, max_new_tokens=n)
+        return ArmRun(ids=res.token_ids, seconds=res.seconds, target_forwards=res.new_tokens)
+
+    pair = uag.load_pair(*tiny_dirs)
+    cfg = BenchConfig(
+        prompts="mixed",
+        limit=4,
+        repeats=2,
+        out=tmp_path,
+        target=tiny_dirs[0],
+        assistant=tiny_dirs[1],
+        max_new_tokens=10,
+        policies="target-only,static-2",
+        sampling=SamplingConfig(temperature=1.0, seed=11),
+        progress=False,
+    )
+    report = run_bench(cfg, extra_arms={"greedy": greedy})
+    by_name = {p.name: p for p in report.policies}
+    assert seeds == [11] + list(range(11, 19))  # warm-up, then round r runs with seed + r
+    static, wrong = by_name["static-2"].check, by_name["greedy"].check
+    assert static is not None and wrong is not None and static.pairs == wrong.pairs == 8
+    assert static.consistent and by_name["static-2"].sound
+    assert not wrong.consistent and wrong.mean > 0  # the argmax is likelier than a sample
+    assert by_name["static-2"].drafted > 0
+    row = {r["name"]: r for r in report.to_json()["policies"]}["static-2"]
+    assert row["identical"] is None and row["same_distribution"] is True
+    assert "same distribution" in report.markdown() and "**NO**" in report.markdown()
+    with pytest.raises(UagError, match="oracle"):
+        run_bench(BenchConfig(**{**cfg.__dict__, "policies": "target-only,oracle"}))
+
+
+def test_paired_check_needs_evidence_and_refuses_impossible_samples():
+    from uag.distribution import paired_check
+
+    base = [-1.0, -2.0, -0.5, -1.5, -3.0, -1.2, -0.8, -2.2]
+    same = paired_check(base, [b + d for b, d in zip(base, [0.1, -0.1, 0.05, -0.05] * 2)])
+    assert same.consistent and abs(same.mean) < 1e-12
+    shifted = paired_check(base, [b - 0.3 + d for b, d in zip(base, [0.01, -0.01] * 4)])
+    assert not shifted.consistent and shifted.mean < 0
+    # Two pairs estimate their spread too poorly for a verdict (Student's t, 1 d.o.f.).
+    assert paired_check([0.0, 0.0], [-0.7, -0.75]).consistent
+    impossible = paired_check(base, [*base[:-1], float("-inf")])  # a token outside top-p
+    assert not impossible.consistent
 
 
 def test_arm_order_rotates_every_round():

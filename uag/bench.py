@@ -7,13 +7,21 @@ over prompts (these cores drift by several percent: a ratio without an interval 
 little); every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
 it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
 the latency profile measured in this run, and is marked simulated.
+
+With ``sampling`` (``uag bench --sample``) every arm of a round runs with the same seed, and the
+identity check becomes ``uag.distribution``'s paired log-probability check against target-only
+sampling, which flags an arm whose samples the target finds more or less probable than its own.
+The oracle (a greedy replay) is not available there.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import re
+import secrets
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -21,9 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from uag.api import RunConfig
+from uag.distribution import LogprobCheck, mean_logprob, paired_check
 from uag.errors import UagError
+from uag.sampling import SamplingConfig
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
+SAMPLING_POLICIES = "target-only,static-1,static-2,static-4,confidence-0.4,transformers"
+"""The default arms under ``--sample`` (the oracle replays greedy runs; the shipped learned
+controller was trained on greedy decoding)."""
 ORACLE_LOOKAHEAD = 6
 
 
@@ -35,6 +48,9 @@ class BenchConfig(RunConfig):
     policies: str = DEFAULT_POLICIES
     repeats: int = 1
     progress: bool = True
+    sampling: SamplingConfig | None = None
+    """Sample instead of greedy decoding; its seed (or a fresh one) seeds round 0, round r uses
+    seed + r for every arm."""
 
 
 @dataclass
@@ -66,18 +82,34 @@ class PolicyResult:
     """Seconds per prompt (all its repeats): what the paired ratios and the interval use."""
     interval: tuple[float, float] | None = None
     """95 % bootstrap interval of ``speedup_vs_target`` over prompts (None: simulated)."""
+    logprobs: list[float] = field(default_factory=list)
+    """Sampling: each run's mean target log-probability per generated token, in run order."""
+    check: LogprobCheck | None = None
+    """Sampling: the paired check of ``logprobs`` against target-only's."""
 
     @property
     def identical(self) -> bool:
         return self.identical_runs == self.runs
 
+    @property
+    def sound(self) -> bool:
+        """Greedy: every output identical to target-only's; sampling: the distribution check
+        finds no difference (simulated arms are not checked)."""
+        if self.simulated:
+            return True
+        return self.check.consistent if self.check is not None else self.identical
+
     def as_row(self) -> dict[str, Any]:
+        sampled = self.check is not None
         return {
             "name": self.name,
             "simulated": self.simulated,
             "speedup_vs_target": round(self.speedup_vs_target, 4),
             "speedup_interval_95": [round(v, 4) for v in self.interval] if self.interval else None,
-            "identical": self.identical if not self.simulated else None,
+            "identical": self.identical if not (self.simulated or sampled) else None,
+            "same_distribution": self.check.consistent if self.check is not None else None,
+            "mean_logprob": round(statistics.fmean(self.logprobs), 4) if self.logprobs else None,
+            "logprob_diff_vs_target": _diff_row(self.check),
             "tokens_per_target_forward": round(self.tokens / self.target_forwards, 4)
             if self.target_forwards
             else None,
@@ -88,6 +120,34 @@ class PolicyResult:
             if self.seconds and self.policy_seconds
             else None,
         }
+
+
+def _diff_row(check: LogprobCheck | None) -> dict[str, Any] | None:
+    if check is None:
+        return None
+    low, high = check.interval
+    finite = all(math.isfinite(v) for v in (check.mean, low, high))
+    return {
+        "pairs": check.pairs,
+        "mean": round(check.mean, 4) if finite else None,
+        "interval_95": [round(low, 4), round(high, 4)] if finite else None,
+        "t": round(check.t, 2) if finite else None,
+    }
+
+
+def _check_cell(p: PolicyResult) -> str:
+    if p.simulated:
+        return "simulated"
+    if p.check is None:
+        return "yes" if p.identical else f"**NO** ({p.identical_runs}/{p.runs})"
+    if p.name == "target-only":
+        return "reference"
+    c = p.check
+    if not math.isfinite(c.mean):
+        return "**NO** (samples the target cannot produce)"
+    low, high = c.interval
+    verdict = "yes" if c.consistent else "**NO**"
+    return f"{verdict} (Δ {c.mean:+.3f} [{low:+.3f}, {high:+.3f}])"
 
 
 @dataclass
@@ -106,17 +166,15 @@ class BenchReport:
         }
 
     def markdown(self) -> str:
+        sampled = any(p.check is not None for p in self.policies)
+        check = "same distribution (Δ log p / token, 95 %)" if sampled else "identical"
         lines = [
-            "| policy | speed-up vs target-only | 95 % interval | identical | tokens / target forward | acceptance | controller time |",
+            f"| policy | speed-up vs target-only | 95 % interval | {check} | tokens / target forward | acceptance | controller time |",
             "|---|---|---|---|---|---|---|",
         ]
         for p in self.policies:
             row = p.as_row()
-            ident = (
-                "simulated"
-                if p.simulated
-                else ("yes" if p.identical else f"**NO** ({p.identical_runs}/{p.runs})")
-            )
+            ident = _check_cell(p)
             tpf = (
                 f"{row['tokens_per_target_forward']:.2f}"
                 if row["tokens_per_target_forward"]
@@ -131,7 +189,8 @@ class BenchReport:
         return "\n".join(lines)
 
 
-Arm = Callable[[str, int], ArmRun]
+Arm = Callable[[str, int, int | None], ArmRun]
+"""``(prompt, max new tokens, seed) → ArmRun``; the seed is None for greedy runs."""
 
 
 def rotated(names: list[str], shift: int) -> list[str]:
@@ -175,12 +234,25 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def _uag_arm(pair: Any, policy_factory: Callable[[], Any] | None, *, chat: bool) -> Arm:
+def _uag_arm(
+    pair: Any,
+    policy_factory: Callable[[], Any] | None,
+    *,
+    chat: bool,
+    sampling: SamplingConfig | None = None,
+) -> Arm:
     import uag
 
-    def run(prompt: str, n: int) -> ArmRun:
+    def run(prompt: str, n: int, seed: int | None) -> ArmRun:
         policy = policy_factory() if policy_factory else None
-        res = uag.generate(pair, prompt, policy=policy, max_new_tokens=n, chat=chat)
+        res = uag.generate(
+            pair,
+            prompt,
+            policy=policy,
+            max_new_tokens=n,
+            chat=chat,
+            sampling=None if sampling is None else replace(sampling, seed=seed),
+        )
         return ArmRun(
             ids=res.token_ids,
             seconds=res.seconds,
@@ -194,10 +266,19 @@ def _uag_arm(pair: Any, policy_factory: Callable[[], Any] | None, *, chat: bool)
 
 
 def transformers_generate(
-    pair: Any, prompt: str, n: int, *, chat: bool = False, assisted: bool = False
+    pair: Any,
+    prompt: str,
+    n: int,
+    *,
+    chat: bool = False,
+    assisted: bool = False,
+    sampling: SamplingConfig | None = None,
+    assistant_model: Any = None,
 ) -> list[int]:
-    """Greedy Transformers ``generate()`` on the pair's target (with the assistant when
-    ``assisted``, through its UAG path), same prompt ids and stop tokens as uag uses."""
+    """Transformers ``generate()`` on the pair's target (with the assistant when ``assisted``,
+    through its UAG path; sampling: its token-level-intersection path), same prompt ids and stop
+    tokens as uag uses. ``assistant_model`` replaces the pair's assistant (sampling prunes the
+    assistant's head in place, so it needs a copy of its own)."""
     import torch
 
     from uag.api import encode_prompt, render_prompt
@@ -208,15 +289,23 @@ def transformers_generate(
     extra: dict[str, Any] = {}
     if assisted:
         extra = {
-            "assistant_model": pair.assistant.model,
+            "assistant_model": assistant_model or pair.assistant.model,
             "tokenizer": tok,
             "assistant_tokenizer": pair.assistant.tokenizer,
         }
+    if sampling is not None:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        extra.update(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,  # 0: off (Transformers' default would be 50)
+        )
     out = pair.target.model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=n,
-        do_sample=False,
+        do_sample=sampling is not None,
         eos_token_id=sorted(pair.target.eos_ids),
         pad_token_id=tok.pad_token_id,
         **extra,
@@ -224,12 +313,24 @@ def transformers_generate(
     return out[0, len(ids) :].tolist()
 
 
-def _transformers_arm(pair: Any, *, chat: bool) -> Arm:
+def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None = None) -> Arm:
     """Transformers' own assisted generation on the same pair, with its defaults."""
+    import copy
 
-    def run(prompt: str, n: int) -> ArmRun:
+    # Its sampling path prunes the assistant's head in place: give it a copy of its own.
+    assistant = copy.deepcopy(pair.assistant.model) if sampling is not None else None
+
+    def run(prompt: str, n: int, seed: int | None) -> ArmRun:
         start = time.perf_counter()
-        new = transformers_generate(pair, prompt, n, chat=chat, assisted=True)
+        new = transformers_generate(
+            pair,
+            prompt,
+            n,
+            chat=chat,
+            assisted=True,
+            sampling=None if sampling is None else replace(sampling, seed=seed),
+            assistant_model=assistant,
+        )
         return ArmRun(ids=new, seconds=time.perf_counter() - start, target_forwards=0)
 
     return run
@@ -260,12 +361,18 @@ def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
             factory = _learned_factory(pair, cfg)
         elif name == "transformers":
             # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
-            stock = pair if pair.kernels == "plain" else replace(cfg, kernels="plain").load_pair()
-            arms[name] = _transformers_arm(stock, chat=cfg.chat)
+            # Its sampling path prunes the assistant's head, which needs a float weight: no int8.
+            int8 = cfg.assistant_int8 and cfg.sampling is None
+            stock = (
+                pair
+                if pair.kernels == "plain" and int8 == cfg.assistant_int8
+                else replace(cfg, kernels="plain", assistant_int8=int8).load_pair()
+            )
+            arms[name] = _transformers_arm(stock, chat=cfg.chat, sampling=cfg.sampling)
             continue
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")
-        arms[name] = _uag_arm(pair, factory, chat=cfg.chat)
+        arms[name] = _uag_arm(pair, factory, chat=cfg.chat, sampling=cfg.sampling)
     return arms
 
 
@@ -280,6 +387,7 @@ def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
         assistant=cfg.assistant,
         assistant_int8=cfg.assistant_int8,
         device=pair.target.device.type,
+        decoding="greedy" if cfg.sampling is None else "sampling",
     )
     return lambda: policy
 
@@ -334,13 +442,20 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     if cfg.repeats < 1:
         raise UagError(f"--repeats must be at least 1, got {cfg.repeats}")
     names = parse_policies(cfg.policies)
+    sampling = cfg.sampling
+    if sampling is not None and "oracle" in names:
+        raise UagError("policy 'oracle' is a replay of greedy runs: leave it out with --sample")
+    seed0 = None
+    if sampling is not None:
+        seed0 = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        cfg = replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
     arms = build_arms(names, pair, cfg)
     arms.update(extra_arms or {})
     results = {name: PolicyResult(name) for name in arms}
     for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
-        arm(prompts[0].text, 4)
+        arm(prompts[0].text, 4, seed0)
     total = len(prompts) * cfg.repeats * len(arms)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
     order = list(arms)
@@ -350,12 +465,17 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             res.per_prompt_seconds.append(0.0)
         for _ in range(cfg.repeats):
             runs: dict[str, ArmRun] = {}
+            seed = None if seed0 is None else seed0 + rounds  # the same for every arm
             for name in rotated(order, rounds):  # each prompt runs every arm, order rotated
-                runs[name] = arms[name](prompt.text, cfg.max_new_tokens)
+                runs[name] = arms[name](prompt.text, cfg.max_new_tokens, seed)
                 bar.update(1)
                 bar.set_postfix(prompt=prompt.id[:20], arm=name)
             rounds += 1
             reference = runs["target-only"].ids
+            if sampling is not None:  # scored after the timed runs, outside them
+                prompt_ids = _prompt_ids(pair, prompt.text, chat=cfg.chat)
+                for name, run in runs.items():
+                    results[name].logprobs.append(mean_logprob(pair, prompt_ids, run.ids, sampling))
             for name, run in runs.items():
                 res = results[name]
                 res.per_prompt_seconds[-1] += run.seconds
@@ -373,6 +493,8 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         res.speedup_vs_target = base.seconds / res.seconds if res.seconds else 0.0
         if res.seconds:
             res.interval = bootstrap_interval(base.per_prompt_seconds, res.per_prompt_seconds)
+        if sampling is not None:
+            res.check = paired_check(base.logprobs, res.logprobs)
     ordered = [results[n] for n in arms]
     if "oracle" in names:
         ordered.append(
@@ -386,6 +508,12 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
     }
     return BenchReport(policies=ordered, machine=machine, prompts=len(prompts), config=config)
+
+
+def _prompt_ids(pair: Any, prompt: str, *, chat: bool) -> list[int]:
+    from uag.api import encode_prompt, render_prompt
+
+    return encode_prompt(pair, render_prompt(pair, prompt, chat=chat))[0]
 
 
 def write_report(report: BenchReport, out: Path) -> None:
@@ -404,7 +532,7 @@ def write_report(report: BenchReport, out: Path) -> None:
     names = [p.name + (" (sim)" if p.simulated else "") for p in report.policies]
     values = [p.speedup_vs_target for p in report.policies]
     colors = [
-        "#999" if p.simulated else ("#c33" if not p.identical else "#36c") for p in report.policies
+        "#999" if p.simulated else ("#c33" if not p.sound else "#36c") for p in report.policies
     ]
     ax.bar(names, values, color=colors)
     ax.axhline(1.0, color="black", linewidth=0.8)

@@ -137,11 +137,22 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one JSON object as the last stdout line (no streaming)",
     )
+    _add_sampling_args(p)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, *, bench: bool = False) -> None:
     s = p.add_argument_group(
         "sampling",
         "--sample draws from the target's distribution instead of taking its argmax; speculative "
         "sampling (token-level intersection) keeps that distribution exactly, whatever the "
-        "assistant and the lookahead",
+        "assistant and the lookahead"
+        + (
+            ". In bench every arm of a round gets the same seed (round r: seed + r) and the "
+            "identity check becomes a paired check of the target's log-probability of the "
+            "samples against target-only sampling"
+            if bench
+            else ""
+        ),
     )
     s.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     s.add_argument("--temperature", type=float, default=None, help="> 0 (default 1.0)")
@@ -552,7 +563,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from uag.bench import DEFAULT_POLICIES
+    from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES
 
     _add_model_args(p)
     p.add_argument(
@@ -577,8 +588,10 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policies",
-        default=DEFAULT_POLICIES,
-        help="comma-separated: target-only, static-K, heuristic, confidence-T, entropy[-T], transformers, learned, oracle (default: %(default)s)",
+        default=None,
+        help="comma-separated: target-only, static-K, heuristic, confidence-T, entropy[-T], "
+        f"transformers, learned, oracle (default: {DEFAULT_POLICIES}; with --sample: "
+        f"{SAMPLING_POLICIES})",
     )
     p.add_argument(
         "--repeats",
@@ -593,11 +606,15 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         default=Path("results/bench"),
         help="where results.json, results.md, speedup.png and TensorBoard events go (default: %(default)s)",
     )
+    _add_sampling_args(p, bench=True)
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    from uag.bench import BenchConfig, run_bench, write_report
+    from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES, BenchConfig, run_bench, write_report
 
+    sampling = sampling_config(args)
+    if args.policies is None:
+        args.policies = DEFAULT_POLICIES if sampling is None else SAMPLING_POLICIES
     if (
         "learned" in args.policies
         and args.controller is None
@@ -620,6 +637,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
         kernels=args.kernels,
+        sampling=sampling,
     )
     report = run_bench(cfg)
     write_report(report, args.out)
@@ -628,11 +646,17 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out}/results.json, results.md, speedup.png; TensorBoard: tensorboard --logdir {args.out}/tensorboard"
     )
-    broken = [p.name for p in report.policies if not p.simulated and not p.identical]
-    if broken:
+    unsound = [p.name for p in report.policies if not p.sound]
+    if sampling is not None and "transformers" in unsound:
+        # Not uag's to fix, and the reason that arm is there: report it, do not fail on it.
+        unsound.remove("transformers")
         print(
-            f"uag: error: outputs differ from target-only for: {', '.join(broken)}", file=sys.stderr
+            "uag: note: Transformers' speculative sampling fails the distribution check on this pair",
+            file=sys.stderr,
         )
+    if unsound:
+        what = "sample another distribution than" if sampling else "outputs differ from"
+        print(f"uag: error: {what} target-only: {', '.join(unsound)}", file=sys.stderr)
         return 1
     return 0
 
