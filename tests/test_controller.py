@@ -228,9 +228,13 @@ def test_paired_check_needs_evidence_and_refuses_impossible_samples():
     from uag.distribution import paired_check
 
     base = [-1.0, -2.0, -0.5, -1.5, -3.0, -1.2, -0.8, -2.2]
-    same = paired_check(base, [b + d for b, d in zip(base, [0.1, -0.1, 0.05, -0.05] * 2)])
+    same = paired_check(
+        base, [b + d for b, d in zip(base, [0.1, -0.1, 0.05, -0.05] * 2, strict=True)]
+    )
     assert same.consistent and abs(same.mean) < 1e-12
-    shifted = paired_check(base, [b - 0.3 + d for b, d in zip(base, [0.01, -0.01] * 4)])
+    shifted = paired_check(
+        base, [b - 0.3 + d for b, d in zip(base, [0.01, -0.01] * 4, strict=True)]
+    )
     assert not shifted.consistent and shifted.mean < 0
     # Two pairs estimate their spread too poorly for a verdict (Student's t, 1 d.o.f.).
     assert paired_check([0.0, 0.0], [-0.7, -0.75]).consistent

@@ -120,6 +120,66 @@ def test_fused_native_linears_equal_their_parts_bitwise(int8):
     assert native.fuse([nn.Linear(40, 8), nn.Linear(40, 8)]) is None
 
 
+def _gguf_like_linear(out: int, width: int, *, steps: int, seed: int = 0) -> nn.Linear:
+    """A weight as GGUF's Q8_0 (``steps`` 127) or Q5_0 (16) de-quantises: per block of 32, an
+    fp16 scale times integers whose largest magnitude is ``steps``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-steps, steps + 1, (out, width), generator=gen).float()
+    q[:, ::32] = -float(steps)
+    scales = (torch.rand(out, width // 32, generator=gen) * 0.01 + 1e-4).half().float()
+    linear = nn.Linear(width, out)
+    with torch.no_grad():
+        linear.weight.copy_(q * scales.repeat_interleave(32, dim=1))
+    return linear
+
+
+@needs_native
+@pytest.mark.parametrize("steps", [127, 16])
+@pytest.mark.parametrize("shape", [(48, 64), (261, 640), (3, 32)])
+def test_block_int8_is_bitwise_the_fp32_kernel(shape, steps):
+    """Weights that are exactly fp16 scale × small integer are held as int8 + scales and give
+    bitwise the fp32 kernel's rows at every row count, from ~28 % of the bytes."""
+    linear = _gguf_like_linear(*shape, steps=steps)
+    blocked = native.NativeLinear(linear)
+    plain = native.NativeLinear(linear, exact_blocks=False)
+    assert blocked.blocked and not plain.blocked
+    assert torch.equal(blocked.dequantized(), linear.weight)
+    rows = torch.randn(16, shape[1])
+    full = blocked(rows)
+    assert torch.equal(full, plain(rows))
+    for count in range(1, 10):
+        for start in (0, 3):
+            assert torch.equal(blocked(rows[start : start + count]), full[start : start + count])
+
+
+@needs_native
+def test_block_int8_refuses_a_weight_it_cannot_reproduce():
+    linear = _gguf_like_linear(16, 64, steps=127)
+    with torch.no_grad():  # one weight one ulp off its block's grid: no exact int8 form
+        linear.weight[5, 40] = torch.nextafter(linear.weight[5, 40], torch.tensor(1.0))
+    assert native.block_int8(linear.weight.detach()) is None
+    assert not native.NativeLinear(linear).blocked
+    assert native.block_int8(torch.randn(8, 48)) is None  # 48 inputs: not whole blocks
+    zeros = native.block_int8(torch.zeros(8, 64))  # all-zero blocks: scale 0
+    assert zeros is not None and not zeros[0].any() and not zeros[1].any()
+
+
+@needs_native
+def test_fusing_block_int8_with_fp32_parts_keeps_every_bit():
+    x = torch.randn(5, 64)
+    parts = [
+        native.NativeLinear(_gguf_like_linear(24, 64, steps=16)),
+        native.NativeLinear(nn.Linear(64, 8)),  # random fp32: stays fp32
+    ]
+    assert [p.blocked for p in parts] == [True, False]
+    before = [p(x) for p in parts]
+    fused = native.fuse(parts)
+    assert fused is not None and not fused.blocked
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    both = native.fuse([native.NativeLinear(_gguf_like_linear(n, 64, steps=127)) for n in (8, 16)])
+    assert both is not None and both.blocked
+
+
 def _near_tie_head(seed: int = 0) -> tuple[nn.Linear, torch.Tensor, int, int]:
     """A head where rows ``a`` and ``b`` are near-identical winners for input row 0: ``b`` wins
     in fp32, the int8 logits rank ``a`` strictly higher, and ``a``'s exact logit beats ``b``'s

@@ -69,12 +69,16 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
         return None
     return _Linear(
         layer.weight_ilv.data_ptr(),
-        layer.scales.data_ptr() if layer.int8 else None,
+        layer.block_scales.data_ptr()
+        if layer.blocked
+        else layer.scales.data_ptr()
+        if layer.int8
+        else None,
         layer.wsum.data_ptr() if layer.dynamic else None,
         None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
         layer.in_features,
         layer.out_features,
-        2 if layer.dynamic else int(layer.int8),
+        3 if layer.blocked else 2 if layer.dynamic else int(layer.int8),
     )
 
 
