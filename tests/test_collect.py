@@ -13,12 +13,14 @@ from typing import ClassVar
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 import uag
 from controllers.base import DraftContext, DraftStep, IterationOutcome
 from tests.tiny import one_clean_line, same_tokenizer_pair
 from uag.cli import main
 from uag.collect import CollectConfig, collect, rows_for_prompt
+from uag.errors import UagError
 from uag.features import FEATURE_NAMES, feature_row
 from uag.prompts import Prompt
 from uag.speculative import IterationRecord
@@ -233,6 +235,107 @@ def test_bad_collect_input(tmp_path, capsys, tiny_dirs):
     (held / "meta.json").write_text("{}")
     assert main([*base, "--prompts", "mixed", "--out", str(held)]) == 2
     assert "--resume" in one_clean_line(capsys)
+
+
+def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_dirs, tmp_path):
+    target_dir, assistant_dir = tiny_dirs
+    out = tmp_path / "run"
+
+    def cfg(**changes):
+        base = dict(
+            prompts="mixed",
+            limit=2,
+            out=out,
+            target=target_dir,
+            assistant=assistant_dir,
+            max_lookahead=3,
+            max_new_tokens=4,
+            profile_repeats=1,
+        )
+        return CollectConfig(**{**base, **changes})
+
+    collect(cfg(shard=(0, 2)), progress=False)
+    collect(cfg(shard=(1, 2)), progress=False)
+    assert len(list(out.glob("part-*.parquet"))) == 2
+    for changes, key in (
+        ({"max_lookahead": 4}, "other settings.*max_lookahead 3 there, 4 here"),
+        ({"max_new_tokens": 5}, "max_new_tokens"),
+        ({"chat": True}, "chat"),
+        ({"assistant_int8": True}, "assistant_int8"),
+    ):
+        with pytest.raises(UagError, match=key):
+            collect(cfg(shard=(0, 2), resume=True, **changes), progress=False)
+    with pytest.raises(UagError, match="max_new_tokens"):  # a new shard may not mix in either
+        collect(cfg(shard=(2, 3), max_new_tokens=5), progress=False)
+    (out / "meta-0of2.json").write_text("{broken")
+    with pytest.raises(UagError, match="not a readable collect meta"):
+        collect(cfg(shard=(0, 2), resume=True), progress=False)
+    # --overwrite (one process, no shard) replaces the whole run: no shard's old file survives.
+    summary = collect(cfg(limit=1, overwrite=True), progress=False)
+    assert summary.prompts_done == 1
+    assert sorted(p.name for p in out.glob("meta*.json")) == ["meta.json"]
+    assert len(list(out.glob("part-*.parquet"))) == 1
+
+
+def test_collect_under_sampling_logs_soft_labels(tiny_dirs, tmp_path):
+    from uag.sampling import SamplingConfig
+
+    target_dir, assistant_dir = tiny_dirs
+    out = tmp_path / "sampled"
+
+    def cfg(**changes):
+        base = dict(
+            prompts="mixed",
+            limit=2,
+            out=out,
+            target=target_dir,
+            assistant=assistant_dir,
+            max_lookahead=3,
+            max_new_tokens=8,
+            profile_repeats=1,
+            sampling=SamplingConfig(temperature=1.0),
+        )
+        return CollectConfig(**{**base, **changes})
+
+    collect(cfg(), progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["decoding"] == "sampling" and meta["sampling"]["seed"] == 0  # seeded by default
+    df = _read_dir(out)
+    assert len(df) > 0 and df["accept_prob"].between(0, 1).all()
+    assert df["accept_rate"].between(0, 1).all()
+    for _, it in df.groupby(["prompt_id", "iteration"]):  # a prefix survives less, never more
+        probs = it.sort_values("position")["accept_prob"].to_numpy()
+        assert (np.diff(probs) <= 1e-7).all()
+    # Seeds come from --seed and the prompt id: a second run writes the same rows.
+    again = tmp_path / "again"
+    collect(cfg(out=again), progress=False)
+    pd_cols = ["prompt_id", "iteration", "position", "token_id", "accept_prob"]
+    assert (
+        _read_dir(again)[pd_cols]
+        .sort_values(pd_cols[:3])
+        .reset_index(drop=True)
+        .equals(df[pd_cols].sort_values(pd_cols[:3]).reset_index(drop=True))
+    )
+    with pytest.raises(UagError, match="sampling"):
+        collect(cfg(resume=True, sampling=SamplingConfig(temperature=0.7)), progress=False)
+
+
+def test_prompt_ids_without_an_id_column_come_from_the_text(tmp_path):
+    from uag.prompts import load_prompts, split_of, text_id
+
+    texts = [f"prompt number {i}: say something" for i in range(12)]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    second.write_text("".join(json.dumps({"text": t}) + "\n" for t in reversed(texts[1:])))
+    a = {p.text: p.id for p in load_prompts(str(first))}
+    b = {p.text: p.id for p in load_prompts(str(second))}
+    assert a[texts[0]] == text_id(texts[0]) and len(set(a.values())) == 12
+    assert all(b[t] == a[t] for t in b)  # re-ordered and one row deleted: the same ids
+    assert {t for t in b if split_of(b[t]) == "test"} == {t for t in b if split_of(a[t]) == "test"}
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(json.dumps({"text": "same"}) + "\n" + json.dumps({"text": "same"}) + "\n")
+    with pytest.raises(UagError, match="rows 0 and 1 hold the same prompt text"):
+        load_prompts(str(twice))
 
 
 def test_shards_split_prompts_and_share_a_directory(tiny_dirs, tmp_path):

@@ -16,6 +16,7 @@ from uag.api import encode_prompt
 from uag.errors import UagError
 from uag.sampling import (
     SamplingConfig,
+    expected_acceptance,
     processed_probs,
     speculative_sample,
     target_only_sample,
@@ -105,6 +106,46 @@ def test_a_broken_acceptance_rule_fails_the_same_test():
 
     counts, expected = _sample_two(accept_by_target_only, 0, 20_000)
     assert _fits(counts, expected, 20_000) < P_MIN
+
+
+def _soft_vs_outcome(label) -> list[tuple[float, float, float]]:
+    """Per draft position of the toy 2-token drafts: (mean sampled outcome, mean soft label,
+    standard error of their paired difference) over 8,000 verified drafts."""
+    p1, p2, q1, q2 = _toy(3)
+    gen = torch.Generator().manual_seed(4)
+    rows: list[list[tuple[float, float]]] = [[], []]
+    for _ in range(8_000):
+        d1 = int(torch.multinomial(q1, 1, generator=gen))
+        d2 = int(torch.multinomial(q2[d1], 1, generator=gen))
+        draft, q_rows = [d1, d2], [q1, q2[d1]]
+
+        def p_row(i: int, d1: int = d1) -> torch.Tensor:
+            return p1 if i == 0 else p2[d1]
+
+        _, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=gen)
+        soft = label(draft, q_rows, p_row)
+        for i in range(2):
+            rows[i].append((float(accepted > i), soft[i]))
+    out = []
+    for pairs in rows:
+        t = torch.tensor(pairs, dtype=torch.float64)
+        diff = t[:, 0] - t[:, 1]
+        out.append(
+            (float(t[:, 0].mean()), float(t[:, 1].mean()), float(diff.std() / len(diff) ** 0.5))
+        )
+    return out
+
+
+def test_soft_labels_have_the_sampled_outcomes_mean():
+    """``accept_prob`` (what collect logs and training learns under sampling) is the outcome's
+    expectation given the draft: equal means, checked at both draft positions; labelling with
+    the position's acceptance rate Σ min(p, q) alone, conditioned on nothing, fails at the
+    second position, where the draft's first token matters."""
+    for outcome, soft, se in _soft_vs_outcome(lambda *a: expected_acceptance(*a)[0]):
+        assert abs(outcome - soft) < 4 * se, (outcome, soft, se)
+        assert 0.05 < outcome < 0.95  # the toy accepts and rejects: a real test
+    wrong = _soft_vs_outcome(lambda *a: expected_acceptance(*a)[1])  # rates, not prefixes
+    assert any(abs(o - s) > 4 * se for o, s, se in wrong)
 
 
 def test_processing_matches_transformers_warpers():

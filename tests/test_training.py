@@ -28,6 +28,83 @@ def _iterations(accepted, drafted, target_tokens) -> replay.Iterations:
     )
 
 
+def _as_sampling_run(run, *, soft=True):
+    """Turn a synthetic greedy run into a sampling one: soft labels beside the outcomes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for part in run.glob("part-*.parquet"):
+        table = pq.read_table(part)
+        accepted = table.column("accepted").to_numpy().astype(np.float32)
+        if soft:
+            table = table.append_column("accept_prob", pa.array(0.1 + 0.8 * accepted))
+        pq.write_table(table, part)
+    meta = json.loads((run / "meta.json").read_text())
+    (run / "meta.json").write_text(json.dumps({**meta, "decoding": "sampling"}))
+    return run
+
+
+def test_sampling_runs_train_on_soft_labels(tmp_path):
+    run = _as_sampling_run(write_run(tmp_path / "s", prompts=4))
+    data = load_runs([run])
+    assert data.targets is not None
+    np.testing.assert_allclose(data.targets, 0.1 + 0.8 * data.labels, rtol=1e-6)
+    assert set(np.unique(data.labels)) == {0.0, 1.0}  # AUC and metrics stay on outcomes
+    out = tmp_path / "s.onnx"
+    train(
+        TrainConfig(
+            data=[run],
+            out=out,
+            logdir=tmp_path / "tb",
+            max_epochs=2,
+            hidden=(8,),
+            accelerator="cpu",
+            devices="1",
+            progress=False,
+        )
+    )
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["decoding"] == "sampling"
+    greedy = write_run(tmp_path / "g", prompts=2)
+    with pytest.raises(UagError, match="decoding"):
+        load_runs([run, greedy])
+    with pytest.raises(UagError, match="soft labels"):
+        load_runs([run, greedy], allow_mixed=True)
+
+
+def test_runs_of_other_settings_are_refused_unless_mixing_is_allowed(tmp_path):
+    one = write_run(tmp_path / "one", prompts=2)
+    other = write_run(tmp_path / "other", prompts=2, seed=1)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "assistant_int8": True}))
+    with pytest.raises(UagError, match="assistant_int8.*--allow-mixed"):
+        load_runs([one, other])
+    assert len(load_runs([one, other], allow_mixed=True).labels) > 0
+    (other / "meta.json").write_text(json.dumps({**meta, "schema_version": 1}))
+    with pytest.raises(UagError, match="schema_version"):  # never mixable
+        load_runs([one, other], allow_mixed=True)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda run: (run / "meta.json").write_text("{not json"), "not a readable collect meta"),
+        (lambda run: (run / "meta.json").write_text("[1, 2]"), "expected a JSON object"),
+        (lambda run: (run / "meta.json").write_text("{}"), "not a uag collect meta file"),
+        (lambda run: (run / "part-broken.parquet").write_bytes(b"junk"), "not a readable Parquet"),
+        (lambda run: (run / "part-empty.parquet").write_bytes(b""), "is empty"),
+    ],
+)
+def test_a_damaged_run_is_one_clear_line(tmp_path, capsys, damage, message):
+    run = write_run(tmp_path / "r", prompts=2)
+    damage(run)
+    with pytest.raises(UagError, match=message):
+        load_runs([run])
+    argv = ["train-controller", "--data", str(run), "--out", str(tmp_path / "c.onnx")]
+    assert main(argv) == 2
+    assert message in one_clean_line(capsys)
+
+
 def test_replay_arithmetic_static_two_wins():
     profile = LatencyProfile(device="x", draft_s=1.0, verify_s=[10.0, 10.0, 10.0, 13.0, 16.0])
     # Every iteration: the first two drafts are accepted, the rest rejected; one target token each.

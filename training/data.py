@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ class Collected:
     features: np.ndarray
     """[N, F] float32."""
     labels: np.ndarray
-    """[N] float32 in {0, 1}."""
+    """[N] float32 in {0, 1}: the outcome (draft prefix accepted or not); AUC is computed on it."""
     prompt_ids: np.ndarray
     """[N] str: the unit of the train/validation split."""
     columns: dict[str, np.ndarray]
@@ -38,6 +37,14 @@ class Collected:
     """meta.json of the first run (pair, latency profile, ...)."""
     data_hash: str
     """sha256 over every Parquet part's bytes: which data a controller was trained on."""
+    targets: np.ndarray | None = None
+    """[N] float32 in [0, 1]: what the network learns. Sampling runs: the soft label
+    ``accept_prob`` (the outcome's expectation given the draft: same mean, less variance);
+    greedy runs: None, the labels themselves."""
+
+    @property
+    def train_targets(self) -> np.ndarray:
+        return self.labels if self.targets is None else self.targets
 
     @property
     def profile(self) -> LatencyProfile:
@@ -53,6 +60,7 @@ class Collected:
             schema_version=self.schema_version,
             meta=self.meta,
             data_hash=self.data_hash,
+            targets=None if self.targets is None else self.targets[mask],
         )
 
 
@@ -72,15 +80,37 @@ def from_columns(parts: list[dict[str, np.ndarray]], meta: dict[str, Any]) -> Co
     )
 
 
+MUST_MATCH = ("schema_version", "feature_names")
+"""Runs that differ here cannot share one feature matrix at all."""
+SHOULD_MATCH = ("target", "assistant", "assistant_int8", "decoding", "latency_device")
+"""Runs that differ here measure different things (acceptance of another pair or precision,
+latencies of another device): mixed only with ``allow_mixed``."""
+
+
 def _metas(run: Path) -> list[dict[str, Any]]:
+    from uag.collect import read_meta
+
     files = sorted(run.glob("meta*.json"))
     if not files:
         raise UagError(f"{run} holds no meta.json: is it a uag collect output directory?")
-    return [json.loads(f.read_text()) for f in files]
+    metas = [read_meta(f) for f in files]
+    for f, meta in zip(files, metas, strict=True):
+        missing = [k for k in MUST_MATCH if k not in meta]
+        if missing:
+            raise UagError(f"{f} lacks {', '.join(missing)}: not a uag collect meta file")
+    return metas
 
 
-def load_runs(dirs: list[Path]) -> Collected:
-    """Read every Parquet part of ``dirs``; refuse runs whose schema or feature names differ."""
+def _setting(meta: dict[str, Any], key: str) -> Any:
+    if key == "latency_device":
+        return str((meta.get("latency_profile") or {}).get("device", "?")).split(":")[0]
+    return meta.get(key, "greedy" if key == "decoding" else None)
+
+
+def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
+    """Read every Parquet part of ``dirs``; refuse runs whose schema or feature names differ,
+    and (unless ``allow_mixed``) runs of another pair, assistant precision, decoding mode or
+    latency device."""
     import pyarrow.parquet as pq
 
     if not dirs:
@@ -97,20 +127,31 @@ def load_runs(dirs: list[Path]) -> Collected:
         parts += found
     first_dir, first = metas[0]
     for run, meta in metas[1:]:
-        for key in ("schema_version", "feature_names"):
-            if meta.get(key) != first.get(key):
+        for key in MUST_MATCH + (() if allow_mixed else SHOULD_MATCH):
+            if _setting(meta, key) != _setting(first, key):
+                hint = "" if key in MUST_MATCH else " (pass --allow-mixed to train on both anyway)"
                 raise UagError(
-                    f"runs disagree on {key}: {first_dir} has {first.get(key)!r}, {run} has {meta.get(key)!r}"
+                    f"runs disagree on {key}: {first_dir} has {_setting(first, key)!r}, "
+                    f"{run} has {_setting(meta, key)!r}{hint}"
                 )
+    for part in parts:
+        if part.stat().st_size == 0:
+            raise UagError(f"{part} is empty: not a Parquet part (delete it and --resume)")
     names = list(first["feature_names"])
     digest = hashlib.sha256()
     frames = []
     for part in parts:
         digest.update(part.read_bytes())
-        frames.append(pq.read_table(part))
+        try:
+            frames.append(pq.read_table(part))
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise UagError(f"{part} is not a readable Parquet part ({err})") from None
     import pyarrow as pa
 
-    table = pa.concat_tables(frames)
+    try:
+        table = pa.concat_tables(frames, promote_options="default")  # missing columns: nulls
+    except pa.ArrowInvalid as err:
+        raise UagError(f"the collected parts do not share one schema ({err})") from None
     missing = [n for n in names if n not in table.column_names]
     if missing:
         raise UagError(f"collected parts lack feature columns {missing}")
@@ -124,7 +165,14 @@ def load_runs(dirs: list[Path]) -> Collected:
             "the collected data holds a single label class: every drafted token was "
             f"{'accepted' if labels[0] else 'rejected'}, so there is nothing to learn"
         )
-    rest = {k: v for k, v in data.items() if k != "accepted"}  # keys like position stay here too
+    targets = None
+    if "accept_prob" in data:
+        targets = data["accept_prob"].astype(np.float32)
+        if np.isnan(targets).any():
+            raise UagError(
+                "some runs hold soft labels (sampling) and some do not: train them apart"
+            )
+    rest = {k: v for k, v in data.items() if k not in ("accepted", "accept_prob")}  # (rate stays)
     return Collected(
         features=features,
         labels=labels,
@@ -134,6 +182,7 @@ def load_runs(dirs: list[Path]) -> Collected:
         schema_version=int(first["schema_version"]),
         meta=first,
         data_hash=digest.hexdigest(),
+        targets=targets,
     )
 
 
@@ -152,26 +201,38 @@ def split_by_prompt(
     return data.subset(~is_val), data.subset(is_val)
 
 
-def with_gate_rows(data: Collected) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows plus one gate row per iteration (from its first drafted token, same label).
+def with_gate_rows(data: Collected) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token rows plus one gate row per iteration (from its first drafted token, same label):
+    ``(features, training targets, outcome labels)``.
 
     The same network then answers both questions: "keep drafting?" after a token, and "draft at
     all?" before an iteration (see ``uag.features.gate_row``).
     """
     first = data.columns["position"] == 1
     features = np.concatenate([data.features, to_gate_rows(data.features[first])])
-    labels = np.concatenate([data.labels, data.labels[first]])
-    return features, labels
+    targets, labels = data.train_targets, data.labels
+    return (
+        features,
+        np.concatenate([targets, targets[first]]),  # what the loss sees
+        np.concatenate([labels, labels[first]]),  # what the metrics see (outcomes)
+    )
 
 
 class ControllerDataModule(L.LightningDataModule):
     """Train/validation loaders over collected runs (I/O in ``setup``, split seeded)."""
 
     def __init__(
-        self, dirs: list[Path], *, val_fraction: float = 0.25, seed: int = 0, batch_size: int = 512
+        self,
+        dirs: list[Path],
+        *,
+        val_fraction: float = 0.25,
+        seed: int = 0,
+        batch_size: int = 512,
+        allow_mixed: bool = False,
     ) -> None:
         super().__init__()
         self.dirs = dirs
+        self.allow_mixed = allow_mixed
         self.val_fraction = val_fraction
         self.seed = seed
         self.batch_size = batch_size
@@ -181,13 +242,15 @@ class ControllerDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self.train_set, self.val_set = split_by_prompt(
-                load_runs(self.dirs), val_fraction=self.val_fraction, seed=self.seed
+                load_runs(self.dirs, allow_mixed=self.allow_mixed),
+                val_fraction=self.val_fraction,
+                seed=self.seed,
             )
 
     @staticmethod
     def _loader(data: Collected, *, shuffle: bool, batch_size: int, seed: int) -> DataLoader:
-        features, labels = with_gate_rows(data)
-        ds = TensorDataset(torch.from_numpy(features), torch.from_numpy(labels))
+        features, targets, labels = with_gate_rows(data)
+        ds = TensorDataset(*(torch.from_numpy(a) for a in (features, targets, labels)))
         gen = torch.Generator().manual_seed(seed)
         return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen)
 

@@ -45,13 +45,13 @@ class ControllerModule(L.LightningModule):
         )
 
     def _step(self, batch: Any, split: str) -> torch.Tensor:
-        x, y = batch
+        x, y, outcome = batch  # y: the target to learn (soft under sampling), outcome: 0/1
         logits = self.net.logits(x)
         loss = self.loss(logits, y)
         probs = torch.sigmoid(logits)
         metrics: Any = self.metrics[f"{split}_metrics"]  # "train" alone would shadow Module.train
         for name, metric in metrics.items():
-            metric.update(probs, y.int())
+            metric.update(probs, outcome.int())
             self.log(f"{split}/{name}", metric, on_step=False, on_epoch=True)
         self.log(f"{split}/loss", loss, on_step=False, on_epoch=True, prog_bar=split == "val")
         return loss

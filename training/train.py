@@ -42,6 +42,8 @@ class TrainConfig:
     num_nodes: int = 1
     gate: bool = True
     """Learn a gate that may skip drafting a round; False: only the stop rule (gate 0)."""
+    allow_mixed: bool = False
+    """Train on runs of different pairs, assistant precision, decoding or latency device."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -113,7 +115,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
     L.seed_everything(cfg.seed, verbose=False)
     dm = ControllerDataModule(
-        cfg.data, val_fraction=cfg.val_fraction, seed=cfg.seed, batch_size=cfg.batch_size
+        cfg.data,
+        val_fraction=cfg.val_fraction,
+        seed=cfg.seed,
+        batch_size=cfg.batch_size,
+        allow_mixed=cfg.allow_mixed,
     )
     dm.setup()
     assert dm.train_set is not None and dm.val_set is not None
@@ -122,7 +128,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         raise UagError("the training split holds a single label class; collect more prompts")
     net = ControllerNet(len(train_set.feature_names), cfg.hidden)
     net.set_normalisation(train_set.features)
-    positives = float(train_set.labels.sum())
+    positives = float(train_set.train_targets.sum())  # soft labels count as their expectation
     module = ControllerModule(
         net, pos_weight=(len(train_set.labels) - positives) / positives, lr=cfg.lr, val_data=val_set
     )

@@ -326,8 +326,6 @@ def generate(
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
     if sampling is not None:
-        if keep_steps:
-            raise UagError("keep_steps (collection) is greedy only for now")
         if policy is None:
             out = target_only_sample(
                 target=pair.target_lm,
@@ -350,6 +348,7 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 sampling=sampling,
                 on_tokens=stream,
+                keep_steps=keep_steps,
             )
     elif policy is None:
         out = target_only_generate(

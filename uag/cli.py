@@ -54,13 +54,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--target",
-        default=DEFAULT_TARGET,
-        help="target model: embedded name, .gguf, local dir or hub id (default: %(default)s)",
+        default=None,
+        help="target model: embedded name, .gguf, local dir or hub id (default: the one a "
+        f"--controller was trained for, else {DEFAULT_TARGET})",
     )
     p.add_argument(
         "--assistant",
-        default=DEFAULT_ASSISTANT,
-        help="assistant (draft) model, same kinds of reference (default: %(default)s)",
+        default=None,
+        help="assistant (draft) model, same kinds of reference (default: the one a --controller "
+        f"was trained for, else {DEFAULT_ASSISTANT})",
     )
     p.add_argument(
         "--device",
@@ -74,9 +76,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--assistant-int8",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="int8 for the assistant's linear layers (CPU; int8 weights times 7-bit activations "
-        "quantised per row at run time): cheaper drafts, same output",
+        "quantised per row at run time): cheaper drafts, same output (default: as a "
+        "--controller was trained, else off)",
     )
     p.add_argument(
         "--kernels",
@@ -87,6 +91,36 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "whatever the row count), else onednn (oneDNN packed, also row-count invariant), else "
         "plain (F.linear; GPUs; near-ties are then recomputed) (default: %(default)s)",
     )
+
+
+def settle_model_args(args: argparse.Namespace, controller: Any = None) -> None:
+    """Fill the model flags the user left out: from the controller's training contract when
+    one is given (the settings its thresholds were chosen for; said on stderr, never silently),
+    else the defaults."""
+    from uag.api import DEFAULT_ASSISTANT, DEFAULT_TARGET
+
+    adopted = []
+    info = getattr(controller, "info", None)
+    for flag, attr, default in (
+        ("--target", "target", DEFAULT_TARGET),
+        ("--assistant", "assistant", DEFAULT_ASSISTANT),
+        ("--assistant-int8", "assistant_int8", False),
+    ):
+        if getattr(args, attr) is not None:
+            continue
+        trained = getattr(info, attr, None) if info is not None else None
+        if trained is not None and trained != "?":
+            setattr(args, attr, trained)
+            if trained != default:
+                adopted.append(f"{flag} {trained}" if attr != "assistant_int8" else flag)
+        else:
+            setattr(args, attr, default)
+    if adopted:
+        print(
+            f"uag: controller {controller.path.name} was trained with {', '.join(adopted)}: "
+            "using that (pass the flag to override)",
+            file=sys.stderr,
+        )
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -140,7 +174,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     _add_sampling_args(p)
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, *, bench: bool = False) -> None:
+def _add_sampling_args(
+    p: argparse.ArgumentParser, *, bench: bool = False, collect: bool = False
+) -> None:
     s = p.add_argument_group(
         "sampling",
         "--sample draws from the target's distribution instead of taking its argmax; speculative "
@@ -151,6 +187,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, *, bench: bool = False) -> No
             "identity check becomes a paired check of the target's log-probability of the "
             "samples against target-only sampling"
             if bench
+            else ". In collect every drafted token also gets a soft label, accept_prob: the "
+            "probability its draft prefix is accepted given the drafts (train-controller learns "
+            "from it); each prompt is seeded by --seed (default 0) and its id"
+            if collect
             else ""
         ),
     )
@@ -260,6 +300,7 @@ def run_generate(args: argparse.Namespace) -> int:
         learned = LearnedPolicy(
             args.controller, use_cuda=resolve_device(args.device).type == "cuda"
         )
+    settle_model_args(args, learned)
     policy = learned or make_policy(name, lookahead=args.lookahead, threshold=args.threshold)
     pair = uag.load_pair(
         args.target,
@@ -413,11 +454,14 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="re-measure the latency profile even when resuming (new machine, faster code)",
     )
+    _add_sampling_args(p, collect=True)
 
 
 def run_collect(args: argparse.Namespace) -> int:
     from uag.collect import CollectConfig, collect, parse_shard
 
+    settle_model_args(args)
+    sampling = sampling_config(args)
     cfg = CollectConfig(
         prompts=args.prompts,
         out=args.out,
@@ -437,6 +481,7 @@ def run_collect(args: argparse.Namespace) -> int:
         assistant_int8=args.assistant_int8,
         kernels=args.kernels,
         reprofile=args.reprofile,
+        sampling=sampling,
     )
     s = collect(cfg)
     print(
@@ -535,6 +580,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "(the shipped controller: its gate measured no faster on held-out prompts and costs "
         "one more controller call per round)",
     )
+    p.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="train on --data runs of different pairs, assistant precision, decoding mode or "
+        "latency device (refused by default: their acceptance and latencies differ)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -554,6 +605,7 @@ def run_train(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         num_nodes=args.num_nodes,
         gate=args.gate,
+        allow_mixed=args.allow_mixed,
     )
     summary = train(cfg)
     print(summary.table())
@@ -621,6 +673,12 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         and Path("exports/ctrl.onnx").is_file()
     ):
         args.controller = Path("exports/ctrl.onnx")
+    controller = None
+    if "learned" in args.policies and args.controller is not None:
+        from controllers.learned import LearnedPolicy
+
+        controller = LearnedPolicy(args.controller)  # its contract: read before models load
+    settle_model_args(args, controller)
     cfg = BenchConfig(
         prompts=args.prompts,
         out=args.out,

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from uag.api import RunConfig
 from uag.errors import UagError
 from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
 from uag.prompts import Prompt, load_prompts
+from uag.sampling import SamplingConfig
 
 ITERATION_COLUMNS = (
     "iter_drafted",
@@ -57,6 +58,9 @@ class CollectConfig(RunConfig):
     profile_repeats: int = 5
     reprofile: bool = False
     """Measure the latency profile again even when resuming (new machine, faster code)."""
+    sampling: SamplingConfig | None = None
+    """Collect under speculative sampling: rows get a soft label ``accept_prob`` too. Each
+    prompt's seed is the run's seed plus a hash of the prompt id (stable under --resume)."""
 
     def __post_init__(self) -> None:
         if self.max_lookahead < 1:
@@ -70,6 +74,8 @@ class CollectConfig(RunConfig):
             raise UagError(f"--shard must be i/n with 0 <= i < n, got {i}/{n}")
         if self.resume and self.overwrite:
             raise UagError("--resume and --overwrite contradict each other: pick one")
+        if self.sampling is not None and self.sampling.seed is None:
+            self.sampling = replace(self.sampling, seed=0)  # a collection is reproducible
 
 
 @dataclass
@@ -127,8 +133,12 @@ def rows_for_prompt(prompt: Prompt, iterations: list[Any]) -> dict[str, np.ndarr
     feats = feature_rows(steps)
     columns: dict[str, np.ndarray] = {name: feats[:, j] for j, name in enumerate(FEATURE_NAMES)}
     accepted, iteration, position, token = [], [], [], []
+    soft: list[float] = []
+    rates: list[float] = []
     per_iter: dict[str, list[float]] = {c: [] for c in ITERATION_COLUMNS}
     for it, rec in enumerate(iterations):
+        soft += list(rec.accept_probs)
+        rates += list(rec.accept_rates)
         for s in rec.steps:
             # Label: the text of drafts 1..i lies inside the accepted text (monotone by construction).
             accepted.append(int(s.position <= rec.accepted_drafts))
@@ -143,6 +153,11 @@ def rows_for_prompt(prompt: Prompt, iterations: list[Any]) -> dict[str, np.ndarr
             per_iter["iter_draft_s"].append(rec.draft_s)
             per_iter["iter_verify_s"].append(rec.verify_s)
     columns["accepted"] = np.asarray(accepted, dtype=np.int8)
+    if soft:  # sampling: the label's expectation given the draft (uag.sampling.expected_acceptance)
+        if len(soft) != len(accepted):
+            raise ValueError(f"{len(soft)} soft labels for {len(accepted)} drafted tokens")
+        columns["accept_prob"] = np.asarray(soft, dtype=np.float32)
+        columns["accept_rate"] = np.asarray(rates, dtype=np.float32)  # Σ min(p, q)
     columns["prompt_id"] = np.asarray([prompt.id] * len(accepted), dtype=object)
     columns["iteration"] = np.asarray(iteration, dtype=np.int32)
     columns["position"] = np.asarray(position, dtype=np.int32)
@@ -163,33 +178,92 @@ def write_part(path: Path, columns: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
+RUN_SETTINGS = (
+    "schema_version",
+    "feature_names",
+    "target",
+    "assistant",
+    "assistant_int8",
+    "decoding",
+    "prompt_source",
+    "text_column",
+    "chat",
+    "max_lookahead",
+    "max_new_tokens",
+    "sampling",
+)
+"""What one run's rows share: ``--resume`` refuses a run that differs in any of them."""
+
+
+def run_settings(cfg: CollectConfig) -> dict[str, Any]:
+    """This run's values of ``RUN_SETTINGS``, as ``meta.json`` records them."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "feature_names": list(FEATURE_NAMES),
+        "target": cfg.target,
+        "assistant": cfg.assistant,
+        "assistant_int8": cfg.assistant_int8,
+        "decoding": "greedy" if cfg.sampling is None else "sampling",
+        "prompt_source": cfg.prompts,
+        "text_column": cfg.text_column,
+        "chat": cfg.chat,
+        "max_lookahead": cfg.max_lookahead,
+        "max_new_tokens": cfg.max_new_tokens,
+        "sampling": None if cfg.sampling is None else asdict(cfg.sampling),
+    }
+
+
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """A prompt's sampling seed: the same whichever shard or resume reaches it."""
+    return (seed + int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16)) % 2**63
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A run's ``meta*.json``, or one clear error when it is not one."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UagError(f"{path} is not a readable collect meta file ({err})") from None
+    if not isinstance(meta, dict):
+        raise UagError(f"{path} is not a collect meta file (expected a JSON object)")
+    return meta
+
+
 def _prepare_out(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
-    """Check DIR against --resume/--overwrite; return the prompts still to do."""
+    """Check DIR against --resume/--overwrite and the settings of what it holds; return the
+    prompts still to do.
+
+    Shards of one run share DIR (each writes its own prompts' parts and its own meta file), so
+    "already holds a run" means this shard's files; ``--overwrite`` from a single process
+    (``--shard 0/1``) clears every part and meta file, from a shard only its own (the others may
+    be running). Whatever stays must have been collected with this run's settings.
+    """
     cfg.out.mkdir(parents=True, exist_ok=True)
     meta = meta_path(cfg.out, cfg.shard)
-    existing = [p for p in mine if part_path(cfg.out, p.id).exists()]
-    if (existing or meta.exists()) and not (cfg.resume or cfg.overwrite):
+    own = [part_path(cfg.out, p.id) for p in mine if part_path(cfg.out, p.id).exists()]
+    own += [meta] if meta.exists() else []
+    if own and not (cfg.resume or cfg.overwrite):
         raise UagError(
             f"{cfg.out} already holds a collect run: pass --resume to continue it or --overwrite to replace it"
         )
     if cfg.overwrite:
-        for p in existing:
-            part_path(cfg.out, p.id).unlink()
-        meta.unlink(missing_ok=True)
-        return mine
-    if cfg.resume and meta.exists():
-        old = json.loads(meta.read_text())
-        for key, want in (
-            ("schema_version", SCHEMA_VERSION),
-            ("feature_names", list(FEATURE_NAMES)),
-            ("target", cfg.target),
-            ("assistant", cfg.assistant),
-        ):
-            if old.get(key) != want:
-                raise UagError(
-                    f"cannot resume {cfg.out}: its {key} is {old.get(key)!r}, this run's is {want!r}"
-                )
-    done = {p.id for p in existing}
+        everything = sorted(cfg.out.glob("part-*.parquet")) + sorted(cfg.out.glob("meta*.json"))
+        for path in everything if cfg.shard[1] == 1 else own:
+            path.unlink()
+    want = run_settings(cfg)
+    for held in sorted(cfg.out.glob("meta*.json")):
+        old = read_meta(held)
+        old.setdefault("sampling", None)  # runs from before sampling collection
+        differ = [k for k in RUN_SETTINGS if old.get(k, "(missing)") != want[k]]
+        if differ:
+            what = "; ".join(
+                f"{k} {old.get(k, '(missing)')!r} there, {want[k]!r} here" for k in differ
+            )
+            raise UagError(
+                f"cannot add to {cfg.out}: {held.name} was collected with other settings ({what}); "
+                "use the same settings or pass --overwrite"
+            )
+    done = {p.id for p in mine if part_path(cfg.out, p.id).exists()}
     return [p for p in mine if p.id not in done]
 
 
@@ -219,18 +293,8 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
             repeats=cfg.profile_repeats,
         )
         record = {
-            "schema_version": SCHEMA_VERSION,
-            "feature_names": list(FEATURE_NAMES),
-            "target": cfg.target,
-            "assistant": cfg.assistant,
-            "assistant_int8": cfg.assistant_int8,
-            "decoding": "greedy",  # collect drafts and verifies greedily (issue 10: sampling)
+            **run_settings(cfg),
             "kernels": pair.kernels,
-            "prompt_source": cfg.prompts,
-            "text_column": cfg.text_column,
-            "chat": cfg.chat,
-            "max_lookahead": cfg.max_lookahead,
-            "max_new_tokens": cfg.max_new_tokens,
             "shard": list(cfg.shard),
             "latency_profile": profile.to_dict(),
             "versions": {
@@ -267,6 +331,9 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     bar = tqdm(todo, desc=f"collect {i}/{n}", unit="prompt", disable=not progress)
     for prompt in bar:
         start = time.perf_counter()
+        sampling = cfg.sampling
+        if sampling is not None:
+            sampling = replace(sampling, seed=prompt_seed(sampling.seed or 0, prompt.id))
         out = uag.generate(
             pair,
             prompt.text,
@@ -274,6 +341,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
             max_new_tokens=cfg.max_new_tokens,
             chat=cfg.chat,
             keep_steps=True,
+            sampling=sampling,
         )
         loop_s = time.perf_counter() - start
         start = time.perf_counter()

@@ -77,11 +77,24 @@ def _rows(ds: object, text_column: str, *, where: str) -> list[Prompt]:
             f"{where} has no column {text_column!r} (columns: {', '.join(columns) or 'none'}); use --text-column"
         )
     ids = ds["id"] if "id" in columns else None  # type: ignore[index]
-    texts = ds[text_column]  # type: ignore[index]
-    return [
-        Prompt(id=str(ids[i]) if ids is not None else f"row-{i}", text=str(t))
-        for i, t in enumerate(texts)
-    ]
+    texts = [str(t) for t in ds[text_column]]  # type: ignore[index]
+    if ids is not None:
+        return [Prompt(id=str(i), text=t) for i, t in zip(ids, texts, strict=True)]
+    # No id column: the id comes from the text, so the train/test split and --resume survive
+    # re-ordering, inserting or deleting rows.
+    first: dict[str, int] = {}
+    for row, text in enumerate(texts):
+        if text.strip() and first.setdefault(text, row) != row:
+            raise UagError(
+                f"{where}: rows {first[text]} and {row} hold the same prompt text; "
+                "drop one or add an 'id' column"
+            )
+    return [Prompt(id=text_id(t), text=t) for t in texts]
+
+
+def text_id(text: str) -> str:
+    """The id of a prompt given without one: a hash of its text."""
+    return "text-" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
 
 
 def load_prompts(

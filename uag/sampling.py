@@ -223,6 +223,27 @@ def verify_draft(
     return [*draft, bonus], len(draft)
 
 
+def expected_acceptance(
+    draft: Sequence[int], q_rows: Sequence[torch.Tensor], p_row: Callable[[int], torch.Tensor]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Soft labels of a verified draft: ``(prefix, rates)`` per draft position i.
+
+    ``prefix[i]`` = ∏_{j ≤ i} min(1, p_j(t_j) / q_j(t_j)): the probability, given the drafted
+    tokens t, that drafts 0..i are all accepted. It is the exact expectation of the sampled
+    label ("draft i lies inside the accepted prefix") given everything the controller saw, so
+    training on it keeps the label's mean and drops the acceptance coin flips' variance.
+    ``rates[i]`` = Σ_x min(p_i(x), q_i(x)): position i's acceptance probability before its token
+    was drawn (the TLI paper's acceptance rate), logged beside it.
+    """
+    prefix, rates, survive = [], [], 1.0
+    for i, (tok, q) in enumerate(zip(draft, q_rows, strict=True)):
+        p = p_row(i)
+        survive *= min(1.0, float(p[tok]) / float(q[tok]))
+        prefix.append(survive)
+        rates.append(min(float(torch.minimum(p, q).sum()), 1.0))
+    return tuple(prefix), tuple(rates)
+
+
 class _Processed:
     """Row i of the target's processed distribution, computed the first time it is asked for
     (verification stops at the first rejection)."""
@@ -273,6 +294,7 @@ def speculative_sample(
     max_new_tokens: int,
     sampling: SamplingConfig,
     on_tokens: OnTokens | None = None,
+    keep_steps: bool = False,
 ) -> LoopOutput:
     """TLI speculative sampling: distributed exactly as ``target_only_sample``, in fewer passes.
 
@@ -280,6 +302,8 @@ def speculative_sample(
     from the restricted assistant distribution, each drafted assistant token standing for one
     target token; one target forward over the pending token and the drafted ones; then
     ``verify_draft``. The assistant keeps the drafted tokens inside the emitted text.
+    ``keep_steps`` (collection) keeps each round's draft steps and their soft labels
+    (``expected_acceptance``).
     """
     clock = time.perf_counter
     gen = sampling.generator()
@@ -313,6 +337,7 @@ def speculative_sample(
         if assistant.cached == len(assistant.ids):
             budget = 0  # nothing new to feed the assistant: no fresh distribution to draft from
         committed = a_text.count
+        steps: list[DraftStep] = []
         draft: list[int] = []
         q_assistant: list[torch.Tensor] = []
         draft_s = 0.0
@@ -344,6 +369,8 @@ def speculative_sample(
                 target_tokens=1,
                 context=ctx,
             )
+            if keep_steps:
+                steps.append(step)
             t0 = clock()
             halt = policy.stop(step)
             policy_s += clock() - t0
@@ -355,9 +382,9 @@ def speculative_sample(
         target.ids.extend(draft)
         rows = target.full_logits(target.forward()[-(len(draft) + 1) :])  # [m + 1, V]
         q_rows = [intersection.on_target(q, target_vocab) for q in q_assistant]
-        emitted, accepted = verify_draft(
-            draft=draft, q_rows=q_rows, p_row=_Processed(rows, sampling), gen=gen
-        )
+        p_row = _Processed(rows, sampling)
+        emitted, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=gen)
+        soft, rates = expected_acceptance(draft, q_rows, p_row) if keep_steps else ((), ())
         emitted, hit_eos = _clip(emitted, eos_ids=target_eos, room=room)
         in_cache = _commit(target, base=base, accepted=accepted, emitted=emitted)
         verify_s = clock() - t0
@@ -380,6 +407,9 @@ def speculative_sample(
                 verify_s=verify_s,
                 bridge_s=bridge_s,
                 policy_s=policy_s,
+                steps=tuple(steps),
+                accept_probs=soft,
+                accept_rates=rates,
             )
         )
         if hit_eos:

@@ -71,6 +71,11 @@ class IterationRecord:
     steps: tuple[DraftStep, ...] = field(default=(), repr=False)
     recomputed: int = 0
     """Verified positions recomputed alone because of a near-tie (non-invariant kernels only)."""
+    accept_probs: tuple[float, ...] = field(default=(), repr=False)
+    """Sampling with ``keep_steps``: per drafted token, the probability given the drafts that
+    it and every draft before it are accepted (``uag.sampling.expected_acceptance``)."""
+    accept_rates: tuple[float, ...] = field(default=(), repr=False)
+    """Sampling with ``keep_steps``: per drafted token, Σ min(p, q) at its position."""
 
 
 @dataclass
