@@ -123,6 +123,10 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> None:
         )
 
 
+SHIPPED_CONTROLLER = Path(__file__).resolve().parent.parent / "exports" / "ctrl.onnx"
+"""The controller this checkout ships (found from any directory, not only the repository's)."""
+
+
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -667,12 +671,10 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     sampling = sampling_config(args)
     if args.policies is None:
         args.policies = DEFAULT_POLICIES if sampling is None else SAMPLING_POLICIES
-    if (
-        "learned" in args.policies
-        and args.controller is None
-        and Path("exports/ctrl.onnx").is_file()
-    ):
-        args.controller = Path("exports/ctrl.onnx")
+    if "learned" in args.policies and args.controller is None:
+        # The shipped controller, from the working directory or beside the package (a checkout).
+        shipped = [Path("exports/ctrl.onnx"), SHIPPED_CONTROLLER]
+        args.controller = next((c for c in shipped if c.is_file()), None)
     controller = None
     if "learned" in args.policies and args.controller is not None:
         from controllers.learned import LearnedPolicy
