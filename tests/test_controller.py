@@ -199,7 +199,7 @@ def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
     pair = uag.load_pair(*tiny_dirs)
     cfg = BenchConfig(
         prompts="mixed",
-        limit=4,
+        limit=3,
         repeats=2,
         out=tmp_path,
         target=tiny_dirs[0],
@@ -211,9 +211,9 @@ def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
     )
     report = run_bench(cfg, extra_arms={"greedy": greedy})
     by_name = {p.name: p for p in report.policies}
-    assert seeds == [11] + list(range(11, 19))  # warm-up, then round r runs with seed + r
+    assert seeds == [11] + list(range(11, 17))  # warm-up, then round r runs with seed + r
     static, wrong = by_name["static-2"].check, by_name["greedy"].check
-    assert static is not None and wrong is not None and static.pairs == wrong.pairs == 8
+    assert static is not None and wrong is not None and static.pairs == wrong.pairs == 6
     assert static.consistent and by_name["static-2"].sound
     assert not wrong.consistent and wrong.mean > 0  # the argmax is likelier than a sample
     assert by_name["static-2"].drafted > 0

@@ -93,10 +93,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def settle_model_args(args: argparse.Namespace, controller: Any = None) -> None:
+def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str | None:
     """Fill the model flags the user left out: from the controller's training contract when
-    one is given (the settings its thresholds were chosen for; said on stderr, never silently),
-    else the defaults."""
+    one is given (the settings its thresholds were chosen for), else the defaults. Returns the
+    note to print once the models load (never silently; not before an error)."""
     from uag.api import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
     adopted = []
@@ -115,12 +115,12 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> None:
                 adopted.append(f"{flag} {trained}" if attr != "assistant_int8" else flag)
         else:
             setattr(args, attr, default)
-    if adopted:
-        print(
-            f"uag: controller {controller.path.name} was trained with {', '.join(adopted)}: "
-            "using that (pass the flag to override)",
-            file=sys.stderr,
-        )
+    if not adopted:
+        return None
+    return (
+        f"uag: controller {controller.path.name} was trained with {', '.join(adopted)}: "
+        "using that (pass the flag to override)"
+    )
 
 
 SHIPPED_CONTROLLER = Path(__file__).resolve().parent.parent / "exports" / "ctrl.onnx"
@@ -304,7 +304,7 @@ def run_generate(args: argparse.Namespace) -> int:
         learned = LearnedPolicy(
             args.controller, use_cuda=resolve_device(args.device).type == "cuda"
         )
-    settle_model_args(args, learned)
+    adopted = settle_model_args(args, learned)
     policy = learned or make_policy(name, lookahead=args.lookahead, threshold=args.threshold)
     pair = uag.load_pair(
         args.target,
@@ -314,6 +314,8 @@ def run_generate(args: argparse.Namespace) -> int:
         assistant_int8=args.assistant_int8,
         kernels=args.kernels,
     )
+    if adopted:
+        print(adopted, file=sys.stderr)
     if learned is not None:
         learned.warn_if_foreign(
             target=args.target,
@@ -675,12 +677,9 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         # The shipped controller, from the working directory or beside the package (a checkout).
         shipped = [Path("exports/ctrl.onnx"), SHIPPED_CONTROLLER]
         args.controller = next((c for c in shipped if c.is_file()), None)
-    controller = None
-    if "learned" in args.policies and args.controller is not None:
-        from controllers.learned import LearnedPolicy
-
-        controller = LearnedPolicy(args.controller)  # its contract: read before models load
-    settle_model_args(args, controller)
+    # One pair for every arm: the defaults, not the controller's settings (its arm warns when
+    # they differ from what it was trained with).
+    settle_model_args(args)
     cfg = BenchConfig(
         prompts=args.prompts,
         out=args.out,
