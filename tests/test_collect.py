@@ -237,22 +237,24 @@ def test_bad_collect_input(tmp_path, capsys, tiny_dirs):
     assert "--resume" in one_clean_line(capsys)
 
 
+def _small_run(tiny_dirs, **changes) -> CollectConfig:
+    """A two-prompt collect on the tiny pair (what the contract tests vary is in ``changes``)."""
+    base = dict(
+        prompts="mixed",
+        limit=2,
+        target=tiny_dirs[0],
+        assistant=tiny_dirs[1],
+        max_lookahead=3,
+        profile_repeats=1,
+    )
+    return CollectConfig(**{**base, **changes})
+
+
 def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_dirs, tmp_path):
-    target_dir, assistant_dir = tiny_dirs
     out = tmp_path / "run"
 
     def cfg(**changes):
-        base = dict(
-            prompts="mixed",
-            limit=2,
-            out=out,
-            target=target_dir,
-            assistant=assistant_dir,
-            max_lookahead=3,
-            max_new_tokens=4,
-            profile_repeats=1,
-        )
-        return CollectConfig(**{**base, **changes})
+        return _small_run(tiny_dirs, **{"out": out, "max_new_tokens": 4, **changes})
 
     collect(cfg(shard=(0, 2)), progress=False)
     collect(cfg(shard=(1, 2)), progress=False)
@@ -280,22 +282,11 @@ def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_d
 def test_collect_under_sampling_logs_soft_labels(tiny_dirs, tmp_path):
     from uag.sampling import SamplingConfig
 
-    target_dir, assistant_dir = tiny_dirs
     out = tmp_path / "sampled"
 
     def cfg(**changes):
-        base = dict(
-            prompts="mixed",
-            limit=2,
-            out=out,
-            target=target_dir,
-            assistant=assistant_dir,
-            max_lookahead=3,
-            max_new_tokens=8,
-            profile_repeats=1,
-            sampling=SamplingConfig(temperature=1.0),
-        )
-        return CollectConfig(**{**base, **changes})
+        base = {"out": out, "max_new_tokens": 8, "sampling": SamplingConfig(temperature=1.0)}
+        return _small_run(tiny_dirs, **{**base, **changes})
 
     collect(cfg(), progress=False)
     meta = json.loads((out / "meta.json").read_text())
