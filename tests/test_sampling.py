@@ -213,12 +213,12 @@ def _exact_three(pair, prompt: list[int], cfg: SamplingConfig):
     return out
 
 
-def _run_many(pair, prompt_t, prompt_a, cfg, n):
-    """``n`` seeded speculative runs; counts of their first three tokens."""
+def _run_many(pair, prompt_t, prompt_a, cfg, seeds):
+    """Seeded speculative runs, one per seed; counts of their first three tokens."""
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
-    for i in range(n):
-        run = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=1000 + i)
+    for i in seeds:
+        run = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=i)
         out: LoopOutput = speculative_sample(
             target=pair.target_lm,
             assistant=pair.assistant_lm,
@@ -238,15 +238,37 @@ def _run_many(pair, prompt_t, prompt_a, cfg, n):
     return counts, drafted, accepted
 
 
+def _toy_runs(seeds: range):
+    """A worker process's share of ``_run_many`` on its own (identical, seeded) toy pair."""
+    torch.set_num_threads(1)
+    pair = toy_pair()
+    prompt_t, prompt_a = encode_prompt(pair, "def add(a, b):")
+    return _run_many(pair, prompt_t, prompt_a, TOY_SAMPLING, seeds)
+
+
+TOY_SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
+
+
 def test_speculative_sampling_matches_the_target_on_toy_models():
     """The whole loop, cross-tokenizer (hand-made byte-level BPE vocabularies of ~300 tokens),
     two drafted tokens per round: the first three tokens follow the target's exact joint."""
+    import multiprocessing
+
     pair = toy_pair()
-    prompt_t, prompt_a = encode_prompt(pair, "def add(a, b):")
-    cfg = SamplingConfig(temperature=1.0, top_k=4)
-    expected = _exact_three(pair, prompt_t, cfg)
+    prompt_t, _ = encode_prompt(pair, "def add(a, b):")
+    expected = _exact_three(pair, prompt_t, TOY_SAMPLING)
     n = 20_000
-    counts, drafted, accepted = _run_many(pair, prompt_t, prompt_a, cfg, n)
+    # The runs are python-bound and independent: two processes (CI has two cores) each take
+    # half the seeds; the counts are exactly the serial loop's.
+    halves = [range(1000, 1000 + n // 2), range(1000 + n // 2, 1000 + n)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        parts = pool.map(_toy_runs, halves)
+    counts: dict[tuple, int] = {}
+    for part, _, _ in parts:
+        for key, c in part.items():
+            counts[key] = counts.get(key, 0) + c
+    drafted = sum(d for _, d, _ in parts)
+    accepted = sum(a for _, _, a in parts)
     assert drafted >= n  # round 2 drafts two tokens in nearly every run
     assert n // 4 < accepted < drafted  # both paths exercised: acceptances and rejections
     assert _fits(counts, expected, n) > P_MIN
