@@ -158,54 +158,101 @@ def test_collector_features_equal_runtime_features(tiny_dirs, tmp_path):
     np.testing.assert_array_equal(collected, runtime)
 
 
-def test_kill_9_then_resume(tiny_dirs, tmp_path):
+def test_torchrun_kill_9_then_resume(tiny_dirs, tmp_path):
+    """Two CPU ranks under torchrun shard the prompts by RANK/WORLD_SIZE into one directory;
+    killed with SIGKILL mid-run (the launcher and every worker, as a dying node would be) and started
+    again the same way, the run ends with every prompt's part exactly once."""
+    from uag.collect import meta_path, part_path
+    from uag.prompts import load_prompts
+
     target_dir, assistant_dir = tiny_dirs
     out = tmp_path / "run"
+    n = 24
     argv = [
-        sys.executable,
-        "-m",
-        "uag.cli",
-        "collect",
-        "--target",
-        target_dir,
-        "--assistant",
-        assistant_dir,
-        "--prompts",
-        "mixed",
-        "--limit",
-        "40",
-        "--max-new-tokens",
-        "24",
-        "--max-lookahead",
-        "4",
-        "--out",
-        str(out),
-        "--logdir",
-        str(tmp_path / "tb"),
-    ]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(29500 + os.getpid() % 1000), "-m", "uag", "collect",
+        "--target", target_dir, "--assistant", assistant_dir, "--device", "cpu",
+        "--prompts", "mixed", "--limit", str(n), "--max-new-tokens", "12", "--max-lookahead", "4",
+        "--out", str(out), "--logdir", str(tmp_path / "tb"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
     while (
-        len(list(out.glob("part-*.parquet"))) < 3 and time.time() < deadline and proc.poll() is None
+        len(list(out.glob("part-*.parquet"))) < 4 and time.time() < deadline and proc.poll() is None
     ):
         time.sleep(0.05)
     assert proc.poll() is None, "collect finished before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
+    # torchrun starts each worker in a session of its own: SIGKILL the whole tree at once.
+    import psutil
+
+    for victim in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        victim.send_signal(signal.SIGKILL)
     proc.wait()
+    time.sleep(0.5)  # let the kernel reap the workers before counting
     partial = len(list(out.glob("part-*.parquet")))
-    assert 3 <= partial < 40
-    # Restarting without --resume is refused; with --resume it finishes the rest.
-    assert subprocess.run(argv, capture_output=True).returncode == 2
-    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True)
+    assert 4 <= partial < n
+    assert {m.name for m in out.glob("meta*.json")} == {"meta-0of2.json", "meta-1of2.json"}
+    # Started again without --resume it is refused; with --resume both ranks finish the rest.
+    refused = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0
+    assert "pass --resume to continue it" in refused.stderr
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"({partial} already done)" in done.stdout
-    df = _read_dir(out)
-    assert len(list(out.glob("part-*.parquet"))) == 40
-    parts = sorted(out.glob("part-*.parquet"))
-    assert len({p.name for p in parts}) == 40  # one part per prompt, none written twice
-    assert df["prompt_id"].nunique() <= 40  # (a prompt that drafted nothing has no rows)
-    assert not df.duplicated(["prompt_id", "iteration", "position"]).any()
-    assert not list(out.glob(".*tmp"))
+    skipped = [
+        int(line.split("(")[1].split()[0])
+        for line in done.stdout.splitlines()
+        if "already done" in line
+    ]
+    assert (
+        len(skipped) == 2 and sum(skipped) == partial
+    )  # each rank skipped its own finished prompts
+    prompts = load_prompts("mixed", limit=n)
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(
+        part_path(out, p.id).name for p in prompts
+    )  # every prompt's part, nothing else
+    for prompt in prompts:  # each part holds its own prompt's rows, and each iteration once
+        table = pq.read_table(part_path(out, prompt.id)).to_pandas()
+        assert set(table["prompt_id"]) <= {prompt.id}
+        assert not table.duplicated(["iteration", "position"]).any()
+    assert meta_path(out, (1, 2)).exists() and not list(out.glob(".*tmp"))
+    # One dataset, as train-controller and `datasets` read it: both ranks' parts.
+    import datasets
+
+    merged = datasets.load_dataset(
+        "parquet",
+        data_files=str(out / "part-*.parquet"),
+        split="train",
+        cache_dir=str(tmp_path / "hf"),
+    )
+    assert merged.num_rows == len(_read_dir(out))
+    # --overwrite under torchrun clears the whole run (rank 0 first, the other waits) and redoes it.
+    again = subprocess.run(
+        [*argv, "--overwrite", "--limit", "4"], capture_output=True, text=True, env=env
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(list(out.glob("part-*.parquet"))) == 4
+
+
+def test_launcher_environment_is_read_strictly(tiny_dirs, tmp_path, capsys, monkeypatch):
+    from uag import launcher
+
+    assert launcher.from_env({}) is None
+    assert launcher.from_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    got = launcher.from_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"})
+    assert got is not None and got.shard == (3, 4) and got.local_rank == 1 and not got.coordinated
+    assert got.device("cpu") == "cpu"
+    with pytest.raises(UagError, match="RANK=4 outside"):
+        launcher.from_env({"WORLD_SIZE": "4", "RANK": "4"})
+    with pytest.raises(UagError, match="expected an integer"):
+        launcher.from_env({"WORLD_SIZE": "two", "RANK": "0"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    base = ["collect", "--target", tiny_dirs[0], "--assistant", tiny_dirs[1], "--prompts", "mixed"]
+    assert main([*base, "--out", str(tmp_path / "o"), "--shard", "0/2"]) == 2
+    assert "contradicts the launcher's RANK=1" in one_clean_line(capsys)
+    assert main([*base, "--out", str(tmp_path / "o"), "--overwrite"]) == 2
+    assert "needs MASTER_ADDR" in one_clean_line(capsys)
 
 
 def test_bad_collect_input(tmp_path, capsys, tiny_dirs):

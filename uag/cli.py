@@ -446,8 +446,10 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
     state.add_argument("--overwrite", action="store_true", help="replace a run in --out")
     p.add_argument(
         "--shard",
-        default="0/1",
-        help="i/n: take prompts whose index %% n == i (one process or GPU per shard, same --out)",
+        default=None,
+        help="i/n: take prompts whose index %% n == i (one process or GPU per shard, same --out; "
+        "default 0/1, or RANK/WORLD_SIZE under torchrun or another launcher, which also puts "
+        "each rank on cuda:LOCAL_RANK when GPUs exist)",
     )
     p.add_argument(
         "--logdir",
@@ -464,10 +466,26 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_collect(args: argparse.Namespace) -> int:
+    from uag import launcher
     from uag.collect import CollectConfig, collect, parse_shard
 
     settle_model_args(args)
     sampling = sampling_config(args)
+    launch = launcher.from_env()
+    shard = parse_shard(args.shard) if args.shard is not None else (0, 1)
+    if launch is not None:
+        if args.shard is not None and shard != launch.shard:
+            raise UagError(
+                f"--shard {args.shard} contradicts the launcher's RANK={launch.rank} "
+                f"WORLD_SIZE={launch.world_size}: leave --shard out under a launcher"
+            )
+        if args.overwrite and not launch.coordinated:
+            raise UagError(
+                "--overwrite under a launcher needs MASTER_ADDR and MASTER_PORT (so rank 0 can "
+                "clear the run before the others start): clear --out first, or use torchrun"
+            )
+        shard = launch.shard
+        args.device = launch.device(args.device)
     cfg = CollectConfig(
         prompts=args.prompts,
         out=args.out,
@@ -480,8 +498,10 @@ def run_collect(args: argparse.Namespace) -> int:
         chat=args.chat,
         resume=args.resume,
         overwrite=args.overwrite,
-        shard=parse_shard(args.shard),
-        logdir=args.logdir or Path("runs") / "collect" / args.out.name,
+        shard=shard,
+        launched=launch is not None and launch.coordinated,
+        logdir=(args.logdir or Path("runs") / "collect" / args.out.name)
+        / ("" if launch is None else f"rank{launch.rank}"),
         device=args.device,
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,

@@ -54,6 +54,9 @@ class CollectConfig(RunConfig):
     overwrite: bool = False
     shard: tuple[int, int] = (0, 1)
     """(i, n): this process takes prompts whose index % n == i."""
+    launched: bool = False
+    """The shards were started together by a launcher that lets them meet (torchrun): with
+    ``overwrite``, shard 0 clears the whole run while the others wait at a barrier."""
     logdir: Path | None = None
     profile_repeats: int = 5
     reprofile: bool = False
@@ -229,14 +232,15 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _prepare_out(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
+def _prepare_out(cfg: CollectConfig, mine: list[Prompt], *, clear_all: bool) -> list[Prompt]:
     """Check DIR against --resume/--overwrite and the settings of what it holds; return the
     prompts still to do.
 
     Shards of one run share DIR (each writes its own prompts' parts and its own meta file), so
-    "already holds a run" means this shard's files; ``--overwrite`` from a single process
-    (``--shard 0/1``) clears every part and meta file, from a shard only its own (the others may
-    be running). Whatever stays must have been collected with this run's settings.
+    "already holds a run" means this shard's files; ``--overwrite`` with ``clear_all`` (a single
+    process, or shard 0 of a launch while the others wait) clears every part and meta file,
+    otherwise only this shard's own (the others may be running). Whatever stays must have been
+    collected with this run's settings.
     """
     cfg.out.mkdir(parents=True, exist_ok=True)
     meta = meta_path(cfg.out, cfg.shard)
@@ -248,7 +252,7 @@ def _prepare_out(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
         )
     if cfg.overwrite:
         everything = sorted(cfg.out.glob("part-*.parquet")) + sorted(cfg.out.glob("meta*.json"))
-        for path in everything if cfg.shard[1] == 1 else own:
+        for path in everything if clear_all else own:
             path.unlink()
     want = run_settings(cfg)
     for held in sorted(cfg.out.glob("meta*.json")):
@@ -267,6 +271,25 @@ def _prepare_out(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
     return [p for p in mine if p.id not in done]
 
 
+def _prepare_together(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
+    """``_prepare_out`` for shards a launcher started together: shard 0 clears the whole run
+    before any other shard looks at the directory (a gloo barrier, through the launcher's
+    ``MASTER_ADDR``/``MASTER_PORT``). If shard 0 fails, the launcher stops the others."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        if cfg.shard[0] == 0:
+            todo = _prepare_out(cfg, mine, clear_all=True)
+            dist.barrier()
+        else:
+            dist.barrier()
+            todo = _prepare_out(cfg, mine, clear_all=False)
+    finally:
+        dist.destroy_process_group()
+    return todo
+
+
 def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     """Run the collection described by ``cfg`` (see the module docstring for the layout)."""
     import torch
@@ -279,7 +302,10 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     i, n = cfg.shard
     mine = [p for k, p in enumerate(prompts) if k % n == i]
-    todo = _prepare_out(cfg, mine)
+    if cfg.launched and cfg.overwrite:
+        todo = _prepare_together(cfg, mine)
+    else:
+        todo = _prepare_out(cfg, mine, clear_all=n == 1)
     pair = cfg.load_pair()
 
     meta = meta_path(cfg.out, cfg.shard)
