@@ -148,6 +148,7 @@ def test_train_end_to_end_onnx_parity_and_metadata(tmp_path):
             progress=False,
         )
     )
+    assert summary is not None  # one process: it reports
     assert out.exists() and out.stat().st_size < 200_000
     model = onnx.load(str(out))
     meta = {p.key: p.value for p in model.metadata_props}
@@ -231,3 +232,72 @@ def test_build_iterations_carries_gate_scores(tmp_path):
     gate = np.where(data.columns["position"] == 1, 0.25, np.nan)
     its = replay.build_iterations(data, np.full(len(data.labels), 0.5), gate)
     assert its.gate is not None and np.all(its.gate == 0.25)
+
+
+def test_shared_order_batches_split_the_single_process_batches():
+    """Each global batch is the single-process batch, dealt out across processes; every epoch a
+    new order, the same in every process; a last batch under half a batch joins the one before."""
+    from training.data import SharedOrderBatches
+
+    for size, batch, world in ((103, 10, 2), (101, 10, 3), (7, 10, 2)):
+        one = SharedOrderBatches(size, batch_size=batch, shuffle=True, seed=3)
+        ranks = [
+            SharedOrderBatches(size, batch_size=batch, shuffle=True, seed=3, rank=r, world=world)
+            for r in range(world)
+        ]
+        for _ in range(2):  # two epochs
+            single = list(one)
+            shares = [list(r) for r in ranks]
+            assert all(len(s) == len(single) == len(one) for s in shares)
+            for b, rows in enumerate(single):
+                assert sorted(sum((s[b] for s in shares), [])) == sorted(rows)
+                assert all(s[b] for s in shares)  # no process gets an empty batch
+            assert sorted(sum(single, [])) == list(range(size))
+        assert list(one) != single  # the third epoch's order differs from the second's
+    with pytest.raises(UagError, match="too small for 8 processes"):
+        SharedOrderBatches(100, batch_size=10, shuffle=True, seed=0, rank=0, world=8)
+
+
+def test_ddp_training_equals_one_process(tmp_path):
+    """``--devices 2 --strategy ddp`` on CPU (gloo): one export, from the first process, whose
+    thresholds and validation figures equal a single-process run's up to float noise."""
+    import subprocess
+    import sys
+
+    run = write_run(tmp_path / "run", prompts=16)
+    common = dict(data=[run], max_epochs=3, hidden=(16,), batch_size=64, accelerator="cpu")
+    single = train(
+        TrainConfig(out=tmp_path / "one.onnx", logdir=tmp_path / "tb1", progress=False, **common)
+    )
+    assert single is not None
+    argv = [
+        sys.executable, "-m", "uag", "train-controller", "--data", str(run),
+        "--out", str(tmp_path / "ddp" / "ctrl.onnx"), "--logdir", str(tmp_path / "tb2"),
+        "--max-epochs", "3", "--hidden", "16", "--batch-size", "64",
+        "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("wrote ") == 1  # the first process reports and exports, once
+    assert [p.name for p in (tmp_path / "ddp").iterdir()] == ["ctrl.onnx"]
+    events = list((tmp_path / "tb2").rglob("events.out.tfevents.*"))
+    assert {e.parent.name for e in events} == {"version_0"}  # one run, logged
+    assert len({e.name.split(".")[-2] for e in events}) == 1  # by one process
+    metas = [
+        {m.key: m.value for m in onnx.load(str(path)).metadata_props}
+        for path in (tmp_path / "one.onnx", tmp_path / "ddp" / "ctrl.onnx")
+    ]
+    assert metas[0]["threshold"] == metas[1]["threshold"]
+    assert metas[0]["gate_threshold"] == metas[1]["gate_threshold"]
+    for key in ("val_auc", "sim_speedup"):
+        a, b = (json.loads(m[key]) for m in metas)
+        assert a.keys() == b.keys()
+        assert all(abs(a[k] - b[k]) < 1e-4 for k in a), (a, b)
+    x = load_runs([run]).features[:300]
+    p1, p2 = (
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+            ["p_accept"], {"features": x}
+        )[0]
+        for path in (tmp_path / "one.onnx", tmp_path / "ddp" / "ctrl.onnx")
+    )
+    np.testing.assert_allclose(p1, p2, atol=1e-5)

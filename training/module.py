@@ -30,7 +30,7 @@ class ControllerModule(L.LightningModule):
         self.lr = lr
         self.net = net
         self.val_data = val_data
-        self.loss = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(pos_weight))
+        self.loss = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(pos_weight), reduction="sum")
         self.metrics: torch.nn.ModuleDict = torch.nn.ModuleDict(
             {
                 f"{split}_metrics": torch.nn.ModuleDict(
@@ -47,13 +47,27 @@ class ControllerModule(L.LightningModule):
     def _step(self, batch: Any, split: str) -> torch.Tensor:
         x, y, outcome = batch  # y: the target to learn (soft under sampling), outcome: 0/1
         logits = self.net.logits(x)
-        loss = self.loss(logits, y)
+        # The mean over the *global* batch (all processes' shares of it, see SharedOrderBatches),
+        # times the process count that DDP's gradient averaging divides by: the gradient is then
+        # the single-process one whatever the number of processes.
+        world = self.trainer.world_size if self._trainer is not None else 1
+        rows = torch.tensor(float(len(y)), device=logits.device)
+        if world > 1:
+            rows = self.trainer.strategy.reduce(rows, reduce_op="sum")
+        loss = self.loss(logits, y) * world / rows
         probs = torch.sigmoid(logits)
         metrics: Any = self.metrics[f"{split}_metrics"]  # "train" alone would shadow Module.train
         for name, metric in metrics.items():
             metric.update(probs, outcome.int())
             self.log(f"{split}/{name}", metric, on_step=False, on_epoch=True)
-        self.log(f"{split}/loss", loss, on_step=False, on_epoch=True, prog_bar=split == "val")
+        self.log(
+            f"{split}/loss",
+            loss,  # the processes' mean: the global batch's mean loss
+            on_step=False,
+            on_epoch=True,
+            prog_bar=split == "val",
+            sync_dist=True,
+        )
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -65,6 +79,14 @@ class ControllerModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.val_data is None or self.trainer.sanity_checking:
             return
+        # Replay runs once, on all validation data, in the first process; the others receive
+        # its figures (so every process logs the same values).
+        figures = self._replay_figures() if self.trainer.is_global_zero else {}
+        for name, value in self.trainer.strategy.broadcast(figures, src=0).items():
+            self.log(name, value, sync_dist=True)
+
+    def _replay_figures(self) -> dict[str, float]:
+        assert self.val_data is not None
         with torch.no_grad():
             scores = (
                 self.net(torch.from_numpy(self.val_data.features).to(self.device)).cpu().numpy()
@@ -75,8 +97,10 @@ class ControllerModule(L.LightningModule):
             its, profile, column="score", below=True, grid=replay.PROB_GRID, name=str
         )
         best_static = replay.best_static(its, profile)
-        self.log("val/sim_speedup_vs_target", learned.speedup)
-        self.log("val/sim_speedup_vs_best_static", learned.tokens_per_s / best_static.tokens_per_s)
+        return {
+            "val/sim_speedup_vs_target": learned.speedup,
+            "val/sim_speedup_vs_best_static": learned.tokens_per_s / best_static.tokens_per_s,
+        }
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.net.parameters(), lr=self.lr, weight_decay=1e-4)

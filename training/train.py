@@ -109,7 +109,9 @@ def _baselines(train: Collected, val: Collected) -> dict[str, float]:
     }
 
 
-def train(cfg: TrainConfig) -> TrainSummary:
+def train(cfg: TrainConfig) -> TrainSummary | None:
+    """Train, tune thresholds by replay on the validation prompts, export ONNX; None in every
+    process but the first of a multi-process run (``--devices N --strategy ddp``)."""
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -136,6 +138,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     # Lightning's start-up chatter (accelerator lines, an advert) and a deprecation warning from
     # its own pytree helper are not the user's business; real warnings still show.
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     trainer = L.Trainer(
         max_epochs=cfg.max_epochs,
         accelerator=cfg.accelerator,
@@ -148,10 +151,13 @@ def train(cfg: TrainConfig) -> TrainSummary:
         enable_model_summary=False,
         deterministic=True,
         log_every_n_steps=1,
+        use_distributed_sampler=False,  # ControllerDataModule shards batches itself
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
         trainer.fit(module, datamodule=dm)
+    if not trainer.is_global_zero:
+        return None  # the first process chooses thresholds and exports, once
 
     net = net.cpu()
     scores = predict(net, val_set.features)

@@ -590,7 +590,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategy",
         default="auto",
-        help="Lightning strategy, e.g. ddp for multi-GPU (default: %(default)s)",
+        help="Lightning strategy, e.g. ddp for several processes (GPUs, or CPU processes over "
+        "gloo with --accelerator cpu --devices N): each takes a share of every batch, so the "
+        "controller equals a one-process run's up to float noise; the first process exports "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--num-nodes",
@@ -634,6 +637,8 @@ def run_train(args: argparse.Namespace) -> int:
         allow_mixed=args.allow_mixed,
     )
     summary = train(cfg)
+    if summary is None:
+        return 0  # another process of a multi-process run reports
     print(summary.table())
     print(f"wrote {summary.out} (onnxruntime vs torch max |diff| {summary.onnx_max_abs_diff:.2e})")
     print(f"TensorBoard: tensorboard --logdir {cfg.logdir}   (this run: {summary.log_dir})")
