@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
@@ -397,3 +397,58 @@ def test_shards_split_prompts_and_share_a_directory(tiny_dirs, tmp_path):
     assert (out / "meta-0of2.json").exists() and (out / "meta-1of2.json").exists()
     df = _read_dir(out)
     assert df["prompt_id"].nunique() == 6
+
+
+def test_on_policy_collection_follows_the_controller_and_explores(tiny_dirs, tmp_path):
+    """``collect --controller C --explore EPS``: rounds that did not explore stop exactly where
+    C stops; explored rounds draft the full lookahead; each row's propensity says whether C
+    would have drafted it; the run's settings name C and EPS."""
+    from controllers.learned import LearnedPolicy
+    from tests.test_controller import _export
+
+    ctrl = tmp_path / "c.onnx"
+    _export(ctrl, threshold=0.19, gate=0.0)  # a threshold inside this net's scores on the tiny pair
+    out = tmp_path / "run"
+    cfg = _small_run(
+        tiny_dirs,
+        out=out,
+        limit=3,
+        max_lookahead=4,
+        max_new_tokens=16,
+        controller=ctrl,
+        explore=0.3,
+    )
+    collect(cfg, progress=False)
+    df = _read_dir(out)
+    policy = LearnedPolicy(ctrl)
+    df["score"] = [policy._score(r) for r in df[list(FEATURE_NAMES)].to_numpy(np.float32)]
+    keep = df["score"] >= policy.info.threshold  # C would draft the next token
+    df["keep"] = keep
+    explored = df["explored"] == 1
+
+    def short(g) -> bool:  # a draft the loop cut: too little room left, or the assistant's EOS
+        generated = round(float(np.expm1(g["generated"].iloc[0])))  # the feature is log1p
+        return generated + len(g) + 1 >= 16 or len(g) < g["iter_drafted"].iloc[0]
+
+    assert explored.any() and (~explored).any()
+    assert set(df.loc[~explored, "propensity"]) == {1.0}
+    stops = continues = 0
+    for _, g in df.groupby(["prompt_id", "iteration"]):
+        g = g.sort_values("position")
+        would = np.concatenate([[True], np.cumprod(g["keep"].to_numpy()[:-1]).astype(bool)])
+        if g["explored"].iloc[0]:
+            assert np.allclose(g["propensity"], np.where(would, 1.0, 0.3))
+            assert len(g) == 4 or short(g)
+            continue
+        assert g["keep"].iloc[:-1].all()  # C continued after every token but the last
+        final = g["keep"].iloc[-1]
+        assert not final or len(g) == 4 or short(g)
+        stops += not final
+        continues += len(g) - 1
+    assert stops and continues  # both decisions were exercised
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["explore"] == 0.3 and len(meta["controller"]) == 16
+    with pytest.raises(UagError, match="explore 0.3 there, 0.5 here"):
+        collect(replace(cfg, resume=True, explore=0.5), progress=False)
+    with pytest.raises(UagError, match="--explore goes with --controller"):
+        _small_run(tiny_dirs, out=out, explore=0.2)

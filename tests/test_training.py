@@ -301,3 +301,19 @@ def test_ddp_training_equals_one_process(tmp_path):
         for path in (tmp_path / "one.onnx", tmp_path / "ddp" / "ctrl.onnx")
     )
     np.testing.assert_allclose(p1, p2, atol=1e-5)
+
+
+def test_replay_uses_only_full_drafts_of_on_policy_runs(tmp_path):
+    """Rounds that stopped where their controller did look like short drafts to replay: only
+    explored rounds (or every round of a fixed-lookahead run) are replayed."""
+    from training.data import replayable
+
+    data = load_runs([write_run(tmp_path / "run")])
+    assert replayable(data) is data  # a fixed-lookahead run (no 'explored' column): all rows
+    explored = (data.columns["iteration"] % 2).astype(np.int8)
+    data.columns["explored"] = explored
+    kept = replayable(data)
+    assert len(kept.labels) == int(explored.sum()) and kept.columns["explored"].all()
+    data.columns["explored"] = np.zeros_like(explored)
+    with pytest.raises(UagError, match="no explored rounds"):
+        replayable(data)

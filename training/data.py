@@ -186,6 +186,22 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
     )
 
 
+def replayable(data: Collected) -> Collected:
+    """The rows replay can simulate any policy on: rounds that drafted the full lookahead (every
+    round of a fixed-lookahead run; the explored rounds of an on-policy run, whose other rounds
+    stopped where their controller did and would look like short drafts)."""
+    explored = data.columns.get("explored")
+    if explored is None or explored.all():
+        return data
+    keep = explored.astype(bool)
+    if not keep.any():
+        raise UagError(
+            "the validation prompts hold no explored rounds to replay: collect on-policy runs "
+            "with --explore above 0 (e.g. 0.2)"
+        )
+    return data.subset(keep)
+
+
 def split_by_prompt(
     data: Collected, *, val_fraction: float, seed: int
 ) -> tuple[Collected, Collected]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from training import replay
-from training.data import Collected, ControllerDataModule
+from training.data import Collected, ControllerDataModule, replayable
 from training.export import export_onnx
 from training.model import ControllerNet
 from training.module import ControllerModule, iterations_with_scores, predict
@@ -131,8 +131,12 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     net = ControllerNet(len(train_set.feature_names), cfg.hidden)
     net.set_normalisation(train_set.features)
     positives = float(train_set.train_targets.sum())  # soft labels count as their expectation
+    replay_set = replayable(val_set)  # AUC uses every validation row, replay full drafts only
     module = ControllerModule(
-        net, pos_weight=(len(train_set.labels) - positives) / positives, lr=cfg.lr, val_data=val_set
+        net,
+        pos_weight=(len(train_set.labels) - positives) / positives,
+        lr=cfg.lr,
+        val_data=replay_set,
     )
     logger = TensorBoardLogger(save_dir=str(cfg.logdir), name="controller", default_hp_metric=False)
     # Lightning's start-up chatter (accelerator lines, an advert) and a deprecation warning from
@@ -162,7 +166,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     net = net.cpu()
     scores = predict(net, val_set.features)
     auc = {"mlp": _auc(val_set.labels, scores), **_baselines(train_set, val_set)}
-    its = iterations_with_scores(net, val_set)
+    its = iterations_with_scores(net, replay_set)
     profile = val_set.profile
     threshold, gate_threshold, learned = replay.best_learned(its, profile, gate=cfg.gate)
     _, conf_best = replay.best_threshold(

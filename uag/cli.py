@@ -462,6 +462,21 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="re-measure the latency profile even when resuming (new machine, faster code)",
     )
+    p.add_argument(
+        "--controller",
+        type=Path,
+        default=None,
+        help="collect on-policy: follow this ONNX controller (and adopt its pair and precision "
+        "unless given) instead of drafting --max-lookahead tokens every round",
+    )
+    p.add_argument(
+        "--explore",
+        type=float,
+        default=0.0,
+        help="with --controller: chance per round of drafting the full --max-lookahead anyway, "
+        "so every position gets labels on the states the controller meets; rows log "
+        "'explored' and 'propensity' (default: %(default)s)",
+    )
     _add_sampling_args(p, collect=True)
 
 
@@ -469,7 +484,14 @@ def run_collect(args: argparse.Namespace) -> int:
     from uag import launcher
     from uag.collect import CollectConfig, collect, parse_shard
 
-    settle_model_args(args)
+    learned = None
+    if args.controller is not None:
+        from controllers.learned import LearnedPolicy
+
+        learned = LearnedPolicy(args.controller)  # its contract, checked before any work
+    adopted = settle_model_args(args, learned)
+    if adopted:
+        print(adopted, file=sys.stderr)
     sampling = sampling_config(args)
     launch = launcher.from_env()
     shard = parse_shard(args.shard) if args.shard is not None else (0, 1)
@@ -508,6 +530,8 @@ def run_collect(args: argparse.Namespace) -> int:
         kernels=args.kernels,
         reprofile=args.reprofile,
         sampling=sampling,
+        controller=args.controller,
+        explore=args.explore,
     )
     s = collect(cfg)
     print(

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from controllers.explore import ExplorePolicy, RoundLog
 from controllers.rules import StaticPolicy
 from uag.api import RunConfig
 from uag.errors import UagError
@@ -64,6 +65,11 @@ class CollectConfig(RunConfig):
     sampling: SamplingConfig | None = None
     """Collect under speculative sampling: rows get a soft label ``accept_prob`` too. Each
     prompt's seed is the run's seed plus a hash of the prompt id (stable under --resume)."""
+    controller: Path | None = None
+    """Collect on-policy: follow this ONNX controller (``controllers.explore``) instead of
+    drafting ``max_lookahead`` tokens every round."""
+    explore: float = 0.0
+    """With ``controller``: the chance per round of drafting the full lookahead anyway."""
 
     def __post_init__(self) -> None:
         if self.max_lookahead < 1:
@@ -77,6 +83,10 @@ class CollectConfig(RunConfig):
             raise UagError(f"--shard must be i/n with 0 <= i < n, got {i}/{n}")
         if self.resume and self.overwrite:
             raise UagError("--resume and --overwrite contradict each other: pick one")
+        if not 0.0 <= self.explore <= 1.0:
+            raise UagError(f"--explore must be a probability in [0, 1], got {self.explore}")
+        if self.explore and self.controller is None:
+            raise UagError("--explore goes with --controller (it explores around that policy)")
         if self.sampling is not None and self.sampling.seed is None:
             self.sampling = replace(self.sampling, seed=0)  # a collection is reproducible
 
@@ -130,21 +140,37 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def rows_for_prompt(prompt: Prompt, iterations: list[Any]) -> dict[str, np.ndarray]:
-    """Column arrays for one prompt's drafted tokens (labels from the iteration records)."""
+def rows_for_prompt(
+    prompt: Prompt, iterations: list[Any], rounds: list[RoundLog] | None = None, eps: float = 1.0
+) -> dict[str, np.ndarray]:
+    """Column arrays for one prompt's drafted tokens (labels from the iteration records).
+
+    ``rounds`` (on-policy collection, ``controllers.explore``): per iteration, whether it
+    explored and whether the controller would have drafted each position; rows then carry
+    ``explored`` and ``propensity`` = ``eps + (1 - eps) * would_draft``. Without them every
+    round drafted the full lookahead: explored 1, propensity 1.
+    """
+    if rounds is not None and len(rounds) != len(iterations):
+        raise ValueError(f"{len(rounds)} exploration records for {len(iterations)} iterations")
     steps = [s for r in iterations for s in r.steps]
     feats = feature_rows(steps)
     columns: dict[str, np.ndarray] = {name: feats[:, j] for j, name in enumerate(FEATURE_NAMES)}
     accepted, iteration, position, token = [], [], [], []
+    explored: list[int] = []
+    propensity: list[float] = []
     soft: list[float] = []
     rates: list[float] = []
     per_iter: dict[str, list[float]] = {c: [] for c in ITERATION_COLUMNS}
     for it, rec in enumerate(iterations):
         soft += list(rec.accept_probs)
         rates += list(rec.accept_rates)
-        for s in rec.steps:
+        log = rounds[it] if rounds is not None else None
+        for j, s in enumerate(rec.steps):
             # Label: the text of drafts 1..i lies inside the accepted text (monotone by construction).
             accepted.append(int(s.position <= rec.accepted_drafts))
+            explored.append(1 if log is None else int(log.explored))
+            would = True if log is None else log.would_draft[j]
+            propensity.append(eps + (1.0 - eps) * would if log is not None else 1.0)
             iteration.append(it)
             position.append(s.position)
             token.append(s.token_id)
@@ -161,6 +187,8 @@ def rows_for_prompt(prompt: Prompt, iterations: list[Any]) -> dict[str, np.ndarr
             raise ValueError(f"{len(soft)} soft labels for {len(accepted)} drafted tokens")
         columns["accept_prob"] = np.asarray(soft, dtype=np.float32)
         columns["accept_rate"] = np.asarray(rates, dtype=np.float32)  # Σ min(p, q)
+    columns["explored"] = np.asarray(explored, dtype=np.int8)
+    columns["propensity"] = np.asarray(propensity, dtype=np.float32)
     columns["prompt_id"] = np.asarray([prompt.id] * len(accepted), dtype=object)
     columns["iteration"] = np.asarray(iteration, dtype=np.int32)
     columns["position"] = np.asarray(position, dtype=np.int32)
@@ -194,8 +222,18 @@ RUN_SETTINGS = (
     "max_lookahead",
     "max_new_tokens",
     "sampling",
+    "controller",
+    "explore",
 )
 """What one run's rows share: ``--resume`` refuses a run that differs in any of them."""
+
+
+def file_digest(path: Path) -> str:
+    """A controller's identity in run settings: its bytes, not its path."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError as err:
+        raise UagError(f"cannot read --controller {path}: {err.strerror}") from None
 
 
 def run_settings(cfg: CollectConfig) -> dict[str, Any]:
@@ -213,6 +251,8 @@ def run_settings(cfg: CollectConfig) -> dict[str, Any]:
         "max_lookahead": cfg.max_lookahead,
         "max_new_tokens": cfg.max_new_tokens,
         "sampling": None if cfg.sampling is None else asdict(cfg.sampling),
+        "controller": None if cfg.controller is None else file_digest(cfg.controller),
+        "explore": None if cfg.controller is None else cfg.explore,
     }
 
 
@@ -257,7 +297,8 @@ def _prepare_out(cfg: CollectConfig, mine: list[Prompt], *, clear_all: bool) -> 
     want = run_settings(cfg)
     for held in sorted(cfg.out.glob("meta*.json")):
         old = read_meta(held)
-        old.setdefault("sampling", None)  # runs from before sampling collection
+        for key in ("sampling", "controller", "explore"):  # runs from before these settings
+            old.setdefault(key, None)
         differ = [k for k in RUN_SETTINGS if old.get(k, "(missing)") != want[k]]
         if differ:
             what = "; ".join(
@@ -302,11 +343,25 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     i, n = cfg.shard
     mine = [p for k, p in enumerate(prompts) if k % n == i]
+    learned = None
+    if cfg.controller is not None:  # checked before --overwrite clears anything
+        from controllers.learned import LearnedPolicy
+        from uag.models import resolve_device
+
+        learned = LearnedPolicy(cfg.controller, use_cuda=resolve_device(cfg.device).type == "cuda")
     if cfg.launched and cfg.overwrite:
         todo = _prepare_together(cfg, mine)
     else:
         todo = _prepare_out(cfg, mine, clear_all=n == 1)
     pair = cfg.load_pair()
+    if learned is not None:
+        learned.warn_if_foreign(
+            target=cfg.target,
+            assistant=cfg.assistant,
+            assistant_int8=cfg.assistant_int8,
+            device=pair.target.device.type,
+            decoding="greedy" if cfg.sampling is None else "sampling",
+        )
 
     meta = meta_path(cfg.out, cfg.shard)
     if not meta.exists() or cfg.reprofile:
@@ -360,10 +415,15 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         sampling = cfg.sampling
         if sampling is not None:
             sampling = replace(sampling, seed=prompt_seed(sampling.seed or 0, prompt.id))
+        policy: ExplorePolicy | StaticPolicy = StaticPolicy(k=cfg.max_lookahead)
+        if learned is not None:
+            policy = ExplorePolicy(
+                inner=learned, eps=cfg.explore, lookahead=cfg.max_lookahead, seed=prompt.id
+            )
         out = uag.generate(
             pair,
             prompt.text,
-            policy=StaticPolicy(k=cfg.max_lookahead),
+            policy=policy,
             max_new_tokens=cfg.max_new_tokens,
             chat=cfg.chat,
             keep_steps=True,
@@ -371,7 +431,12 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         )
         loop_s = time.perf_counter() - start
         start = time.perf_counter()
-        columns = rows_for_prompt(prompt, out.iterations)
+        columns = rows_for_prompt(
+            prompt,
+            out.iterations,
+            rounds=policy.rounds if isinstance(policy, ExplorePolicy) else None,
+            eps=cfg.explore,
+        )
         write_part(part_path(cfg.out, prompt.id), columns)
         acc = columns["accepted"].astype(bool)
         pos = columns["position"]
