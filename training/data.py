@@ -158,6 +158,9 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
     if table.num_rows == 0:
         raise UagError(f"{', '.join(map(str, dirs))}: the collected parts hold no rows")
     data = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+    for name in ("explored", "propensity"):  # fixed-lookahead runs: every round drafted in full
+        if name in data:
+            data[name] = np.nan_to_num(data[name].astype(np.float32), nan=1.0)
     features = np.stack([data[n].astype(np.float32) for n in names], axis=1)
     labels = data["accepted"].astype(np.float32)
     if len(np.unique(labels)) < 2:
