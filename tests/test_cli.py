@@ -178,3 +178,38 @@ def test_bench_success_path_from_the_cli(tiny_dirs, tmp_path, capsys):
 def test_models_prepare_success_path(capsys):
     assert main(["models", "prepare", "gemma-3-270m"]) == 0  # converted once per cache: quick
     assert "gemma-3-270m: ready at" in capsys.readouterr().out
+
+
+def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
+    """A non-editable install (the wheel, installed elsewhere, run from another directory) holds
+    copies of ``exports/ctrl.onnx`` and ``data/prompts``: the default controller and
+    ``--prompts mixed`` work without the checkout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    done = subprocess.run([*build, "-w", str(wheels), str(root)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = wheels.glob("uag-*.whl")
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site)]
+    done = subprocess.run([*install, str(wheel)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe = (
+        "import uag, uag.cli, uag.prompts\n"
+        "from controllers.learned import LearnedPolicy\n"
+        "print(uag.__file__)\n"
+        "print(uag.cli.SHIPPED_CONTROLLER.is_symlink(), LearnedPolicy(uag.cli.SHIPPED_CONTROLLER).info.target)\n"
+        "print(len(uag.prompts.load_prompts('mixed:test')))\n"
+    )
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    ran = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    where, controller, count = ran.stdout.splitlines()
+    assert where.startswith(str(site))  # the installed copy, not the checkout
+    assert controller == "False gemma-3-270m"  # a real file in the wheel, the shipped contract
+    assert int(count) == 31

@@ -123,8 +123,9 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
     )
 
 
-SHIPPED_CONTROLLER = Path(__file__).resolve().parent.parent / "exports" / "ctrl.onnx"
-"""The controller this checkout ships (found from any directory, not only the repository's)."""
+SHIPPED_CONTROLLER = Path(__file__).parent / "shipped" / "ctrl.onnx"
+"""The controller this checkout ships: ``exports/ctrl.onnx`` through the link in
+``uag/shipped``, or its copy inside an installed wheel (found from any directory)."""
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from uag.errors import UagError
 
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+SHIPPED_DIR = Path(__file__).parent / "shipped" / "prompts"
+"""``data/prompts`` of the checkout (``uag/shipped/prompts`` links to it), or its copy inside an
+installed wheel: the shipped sets work from any directory and from a non-editable install."""
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SPLITS = ("train", "test")
 
