@@ -142,6 +142,10 @@ def test_bad_bench_input(tmp_path, capsys, tiny_dirs):
         == 2
     )
     assert "not found" in one_clean_line(capsys)
+    assert main([*base, "--prompts", "mixed", "--policies", f"learned:{tmp_path / 'b.onnx'}"]) == 2
+    assert "controller not found" in one_clean_line(capsys)  # the second controller's arm
+    assert main([*base, "--prompts", "mixed", "--policies", "learned:x.txt"]) == 2
+    assert "learned:PATH.onnx" in one_clean_line(capsys)
 
 
 def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):

@@ -219,13 +219,13 @@ def bootstrap_interval(
 def parse_policies(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     pattern = re.compile(
-        r"^(target-only|heuristic|transformers|learned|oracle|static-\d+|confidence-[0-9.]+|entropy(-[0-9.]+)?)$"
+        r"^(target-only|heuristic|transformers|learned(:.+\.onnx)?|oracle|static-\d+|confidence-[0-9.]+|entropy(-[0-9.]+)?)$"
     )
     bad = [n for n in names if not pattern.match(n)]
     if bad:
         raise UagError(
             f"unknown policy name(s) {', '.join(bad)}: use target-only, static-K, heuristic, confidence-T, "
-            "entropy[-T], transformers, learned, oracle"
+            "entropy[-T], transformers, learned, learned:PATH.onnx, oracle"
         )
     if "target-only" not in names:
         names.insert(0, "target-only")  # the reference every other arm is checked against
@@ -359,6 +359,8 @@ def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
             factory = lambda t=t: EntropyPolicy(threshold=t)  # noqa: E731
         elif name == "learned":
             factory = _learned_factory(pair, cfg)
+        elif name.startswith("learned:"):  # another controller beside --controller's, for A/B
+            factory = _learned_factory(pair, replace(cfg, controller=Path(name.split(":", 1)[1])))
         elif name == "transformers":
             # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
             # Its sampling path prunes the assistant's head, which needs a float weight: no int8.

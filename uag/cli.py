@@ -698,7 +698,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         "--policies",
         default=None,
         help="comma-separated: target-only, static-K, heuristic, confidence-T, entropy[-T], "
-        f"transformers, learned, oracle (default: {DEFAULT_POLICIES}; with --sample: "
+        "transformers, learned (--controller's), learned:PATH.onnx (another controller, to "
+        f"compare two in one run), oracle (default: {DEFAULT_POLICIES}; with --sample: "
         f"{SAMPLING_POLICIES})",
     )
     p.add_argument(
