@@ -305,7 +305,8 @@ def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_d
 
     collect(cfg(shard=(0, 2)), progress=False)
     collect(cfg(shard=(1, 2)), progress=False)
-    assert len(list(out.glob("part-*.parquet"))) == 2
+    assert len(list(out.glob("part-*.parquet"))) == 2  # shards split the prompts, share DIR
+    assert {m.name for m in out.glob("meta*.json")} == {"meta-0of2.json", "meta-1of2.json"}
     for changes, key in (
         ({"max_lookahead": 4}, "other settings.*max_lookahead 3 there, 4 here"),
         ({"max_new_tokens": 5}, "max_new_tokens"),
@@ -374,29 +375,6 @@ def test_prompt_ids_without_an_id_column_come_from_the_text(tmp_path):
     twice.write_text(json.dumps({"text": "same"}) + "\n" + json.dumps({"text": "same"}) + "\n")
     with pytest.raises(UagError, match="rows 0 and 1 hold the same prompt text"):
         load_prompts(str(twice))
-
-
-def test_shards_split_prompts_and_share_a_directory(tiny_dirs, tmp_path):
-    target_dir, assistant_dir = tiny_dirs
-    out = tmp_path / "run"
-    for i in range(2):
-        collect(
-            CollectConfig(
-                prompts="mixed",
-                limit=6,
-                out=out,
-                target=target_dir,
-                assistant=assistant_dir,
-                max_lookahead=3,
-                max_new_tokens=8,
-                shard=(i, 2),
-                profile_repeats=1,
-            ),
-            progress=False,
-        )
-    assert (out / "meta-0of2.json").exists() and (out / "meta-1of2.json").exists()
-    df = _read_dir(out)
-    assert df["prompt_id"].nunique() == 6
 
 
 def test_on_policy_collection_follows_the_controller_and_explores(tiny_dirs, tmp_path):
