@@ -192,7 +192,6 @@ def test_torchrun_kill_9_then_resume(tiny_dirs, tmp_path):
     time.sleep(0.5)  # let the kernel reap the workers before counting
     partial = len(list(out.glob("part-*.parquet")))
     assert 4 <= partial < n
-    assert {m.name for m in out.glob("meta*.json")} == {"meta-0of2.json", "meta-1of2.json"}
     # Started again without --resume it is refused; with --resume both ranks finish the rest.
     refused = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert refused.returncode != 0
@@ -215,6 +214,7 @@ def test_torchrun_kill_9_then_resume(tiny_dirs, tmp_path):
         table = pq.read_table(part_path(out, prompt.id)).to_pandas()
         assert set(table["prompt_id"]) <= {prompt.id}
         assert not table.duplicated(["iteration", "position"]).any()
+    assert {m.name for m in out.glob("meta*.json")} == {"meta-0of2.json", "meta-1of2.json"}
     assert meta_path(out, (1, 2)).exists() and not list(out.glob(".*tmp"))
     # One dataset, as train-controller and `datasets` read it: both ranks' parts.
     import datasets
