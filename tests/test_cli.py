@@ -184,14 +184,17 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
     """A non-editable install (the wheel, installed elsewhere, run from another directory) holds
     copies of ``exports/ctrl.onnx`` and ``data/prompts``: the default controller and
     ``--prompts mixed`` work without the checkout."""
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    src, wheels, site = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
+    skip = shutil.ignore_patterns(".*", "build", "runs", "collected", "*.egg-info", "__pycache__")
+    shutil.copytree(root, src, symlinks=True, ignore=skip)  # building writes beside the sources
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    done = subprocess.run([*build, "-w", str(wheels), str(root)], capture_output=True, text=True)
+    done = subprocess.run([*build, "-w", str(wheels), str(src)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = wheels.glob("uag-*.whl")
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site)]
@@ -213,3 +216,19 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
     assert where.startswith(str(site))  # the installed copy, not the checkout
     assert controller == "False gemma-3-270m"  # a real file in the wheel, the shipped contract
     assert int(count) == 31
+
+
+def test_the_runtime_never_imports_lightning():
+    """Generating, collecting, benchmarking (its oracle replays) and the ONNX controller need
+    no Lightning: only ``uag train-controller`` loads it."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, uag.cli, uag.bench, uag.collect, controllers.learned, controllers.explore, "
+        "training.data, training.replay\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+    )
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip() == "[]"

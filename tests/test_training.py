@@ -237,7 +237,7 @@ def test_build_iterations_carries_gate_scores(tmp_path):
 def test_shared_order_batches_split_the_single_process_batches():
     """Each global batch is the single-process batch, dealt out across processes; every epoch a
     new order, the same in every process; a last batch under half a batch joins the one before."""
-    from training.data import SharedOrderBatches
+    from training.datamodule import SharedOrderBatches
 
     for size, batch, world in ((103, 10, 2), (101, 10, 3), (7, 10, 2)):
         one = SharedOrderBatches(size, batch_size=batch, shuffle=True, seed=3)

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from training import replay
-from training.data import Collected, ControllerDataModule, replayable
+from training.data import Collected, replayable
+from training.datamodule import ControllerDataModule
 from training.export import export_onnx
 from training.model import ControllerNet
 from training.module import ControllerModule, iterations_with_scores, predict
