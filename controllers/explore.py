@@ -47,16 +47,17 @@ class ExplorePolicy:
         if not 0.0 <= self.eps <= 1.0:
             raise ValueError(f"eps must be in [0, 1], got {self.eps}")
         self._rng = random.Random(self.seed)
-        self._explored = False
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self._explored, self._inner_going, self._inner_left = False, False, 0
         self._would: list[bool] = []
-        self._inner_going = False
-        self._inner_left = 0
 
     def reset(self) -> None:
         self.inner.reset()
         self._rng = random.Random(self.seed)
         self.rounds = []
-        self._explored, self._would, self._inner_going = False, [], False
+        self._new_round()
 
     def budget(self, ctx: DraftContext) -> int:
         inner = min(self.inner.budget(ctx), self.lookahead)
@@ -75,4 +76,4 @@ class ExplorePolicy:
     def update(self, outcome: IterationOutcome) -> None:
         self.inner.update(outcome)
         self.rounds.append(RoundLog(explored=self._explored, would_draft=tuple(self._would)))
-        self._explored, self._would, self._inner_going = False, [], False
+        self._new_round()

@@ -148,6 +148,17 @@ class LearnedPolicy:
             )
         return notes
 
+    def warn_if_foreign_to(self, job: Any, *, device: str) -> list[str]:
+        """``warn_if_foreign`` for a prompt-set job's config (collect, bench): its pair, assistant
+        precision and decoding (``job.sampling`` None: greedy)."""
+        return self.warn_if_foreign(
+            target=job.target,
+            assistant=job.assistant,
+            assistant_int8=job.assistant_int8,
+            device=device,
+            decoding="greedy" if job.sampling is None else "sampling",
+        )
+
     def reset(self) -> None:
         pass
 

@@ -384,13 +384,7 @@ def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
     if cfg.controller is None:
         raise UagError("policy 'learned' needs --controller PATH.onnx")
     policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
-    policy.warn_if_foreign(
-        target=cfg.target,
-        assistant=cfg.assistant,
-        assistant_int8=cfg.assistant_int8,
-        device=pair.target.device.type,
-        decoding="greedy" if cfg.sampling is None else "sampling",
-    )
+    policy.warn_if_foreign_to(cfg, device=pair.target.device.type)
     return lambda: policy
 
 

@@ -168,9 +168,12 @@ def rows_for_prompt(
         for j, s in enumerate(rec.steps):
             # Label: the text of drafts 1..i lies inside the accepted text (monotone by construction).
             accepted.append(int(s.position <= rec.accepted_drafts))
-            explored.append(1 if log is None else int(log.explored))
-            would = True if log is None else log.would_draft[j]
-            propensity.append(eps + (1.0 - eps) * would if log is not None else 1.0)
+            if log is None:  # a fixed-lookahead round: drafted in full, whatever the state
+                explored.append(1)
+                propensity.append(1.0)
+            else:
+                explored.append(int(log.explored))
+                propensity.append(eps + (1.0 - eps) * log.would_draft[j])
             iteration.append(it)
             position.append(s.position)
             token.append(s.token_id)
@@ -355,13 +358,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         todo = _prepare_out(cfg, mine, clear_all=n == 1)
     pair = cfg.load_pair()
     if learned is not None:
-        learned.warn_if_foreign(
-            target=cfg.target,
-            assistant=cfg.assistant,
-            assistant_int8=cfg.assistant_int8,
-            device=pair.target.device.type,
-            decoding="greedy" if cfg.sampling is None else "sampling",
-        )
+        learned.warn_if_foreign_to(cfg, device=pair.target.device.type)
 
     meta = meta_path(cfg.out, cfg.shard)
     if not meta.exists() or cfg.reprofile:

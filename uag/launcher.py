@@ -1,9 +1,9 @@
 """Processes started together by a launcher (``torchrun``, or anything that sets ``RANK``,
 ``WORLD_SIZE`` and ``LOCAL_RANK``): which share of the work is this process's, on which device.
 
-Why a module of its own: ``uag collect`` shards prompts by rank and ``train-controller`` must
-know whether it runs under a launcher; both read the environment the same way, with one clear
-error for a malformed value instead of a silent single-process run.
+Why a module of its own: ``uag collect`` shards prompts by rank and picks each rank's device from
+it, and a malformed value must be one clear error, not a silent single-process run.
+(``train-controller`` needs none of this: Lightning reads the same variables itself.)
 """
 
 from __future__ import annotations
