@@ -153,6 +153,43 @@ def test_block_int8_is_bitwise_the_fp32_kernel(shape, steps):
 
 
 @needs_native
+@pytest.mark.parametrize("levels", [16, 64])
+@pytest.mark.parametrize("shape", [(48, 64), (261, 1024), (3, 16)])
+def test_block_affine_is_bitwise_the_fp32_kernel(shape, levels):
+    """Weights as GGUF's Q4_K (16 levels) or Q6_K (64) de-quantise, exact scale · q − base per
+    block, are held as uint8 + block parameters and give bitwise the fp32 kernel's rows at every
+    row count, from 1.5 of fp32's 4 bytes per weight."""
+    gen = torch.Generator().manual_seed(levels)
+    linear = nn.Linear(shape[1], shape[0])
+    with torch.no_grad():
+        linear.weight.copy_(native.affine_like_weight(*shape, levels=levels, generator=gen))
+    exact = native.NativeLinear(linear)
+    plain = native.NativeLinear(linear, exact_blocks=False)
+    assert exact.exact_format == "block_affine" and not plain.blocked
+    assert exact.weight_ilv.dtype == torch.uint8
+    assert torch.equal(exact.dequantized(), linear.weight)
+    rows = torch.randn(16, shape[1])
+    full = exact(rows)
+    assert torch.equal(full, plain(rows))
+    for count in range(1, 10):
+        for start in (0, 3):
+            assert torch.equal(exact(rows[start : start + count]), full[start : start + count])
+
+
+@needs_native
+def test_block_affine_refuses_a_weight_it_cannot_reproduce():
+    gen = torch.Generator().manual_seed(0)
+    weight = native.affine_like_weight(16, 64, levels=16, generator=gen)
+    assert native.block_affine(weight) is not None
+    weight[5, 40] = torch.nextafter(weight[5, 40], torch.tensor(1.0))  # one ulp off its grid
+    assert native.block_affine(weight) is None
+    assert native.block_affine(torch.randn(8, 64)) is None  # random fp32: no such form
+    assert native.block_affine(torch.randn(8, 40)) is None  # 40 inputs: not whole blocks
+    flat = native.block_affine(torch.full((8, 32), -0.25))  # one value per block: scale 0
+    assert flat is not None and not flat[0].any() and torch.equal(flat[1][..., 1], torch.full((8, 2), -0.25))
+
+
+@needs_native
 def test_block_int8_refuses_a_weight_it_cannot_reproduce():
     linear = _gguf_like_linear(16, 64, steps=127)
     with torch.no_grad():  # one weight one ulp off its block's grid: no exact int8 form
@@ -177,7 +214,17 @@ def test_fusing_block_int8_with_fp32_parts_keeps_every_bit():
     assert fused is not None and not fused.blocked
     assert torch.equal(fused(x), torch.cat(before, dim=-1))
     both = native.fuse([native.NativeLinear(_gguf_like_linear(n, 64, steps=127)) for n in (8, 16)])
-    assert both is not None and both.blocked
+    assert both is not None and both.exact_format == "block_int8"
+    gen = torch.Generator().manual_seed(1)
+    affine = nn.Linear(64, 16)
+    with torch.no_grad():
+        affine.weight.copy_(native.affine_like_weight(16, 64, levels=64, generator=gen))
+    mixed = [native.NativeLinear(_gguf_like_linear(24, 64, steps=16)), native.NativeLinear(affine)]
+    assert [p.exact_format for p in mixed] == ["block_int8", "block_affine"]
+    before = [p(x) for p in mixed]
+    fused = native.fuse(mixed)  # two exact storages: one product needs one, so fp32
+    assert fused is not None and not fused.blocked
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
 
 
 def _near_tie_head(seed: int = 0) -> tuple[nn.Linear, torch.Tensor, int, int]:

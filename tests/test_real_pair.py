@@ -43,9 +43,10 @@ def test_real_target_rows_are_bitwise_invariant(real_pair):
     """A position's logits are the same bits whether it is verified among 2–9 positions or
     computed alone as target-alone does: greedy UAG is lossless by construction here."""
     assert real_pair.kernels in ("native", "onednn") and real_pair.target_lm.row_invariant
-    if real_pair.kernels == "native":  # Gemma's Q5_0/Q8_0 projections: exact block int8
-        layer = real_pair.target_lm.lean.layers[0]
-        assert layer.qkv.blocked and layer.gate_up.blocked and not layer.down.blocked
+    if real_pair.kernels == "native":  # Gemma's Q5_0/Q8_0 and Q4_K/Q6_K projections held exact
+        for layer in real_pair.target_lm.lean.layers:
+            assert layer.qkv.exact_format == layer.gate_up.exact_format == "block_int8"
+            assert layer.o.exact_format == layer.down.exact_format == "block_affine"
     ids = _sample_ids(real_pair)
     alone, chunked = one_row_vs_chunked_logits(real_pair.target_lm, ids[:40], ids[40:100])
     assert torch.equal(alone, chunked)

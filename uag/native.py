@@ -12,7 +12,10 @@ Weights that are exactly an fp16 scale times small integers per block of 32 (Gem
 Q8_0 tensors, de-quantised from its GGUF file: q/k/v, gate/up and the 262k-row head) are held
 as int8 plus one scale per block (``block_int8``) and multiplied back in registers: bitwise the
 fp32 product from ~28 % of the bytes (a one-row target body ~30 % faster, the full head that
-sampling reads ~3x). Found from the values alone and checked weight by weight, so a model whose
+sampling reads ~3x). Weights that are exactly ``q · s + b`` per block of 16 with small integers
+``q`` (GGUF's k-quants Q4_K and Q6_K: Gemma 3's o and down projections) are held as uint8 plus a
+scale and a base per block (``block_affine``): bitwise the fp32 product from 1.5 of 4 bytes per
+weight. Both are found from the values alone and checked weight by weight, so a model whose
 weights have no such form simply stays fp32.
 
 Building: ``cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp``, linked against the OpenMP runtime
@@ -46,10 +49,11 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K = 8, 1, 4, 32
+BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16
 """The kernels' layout: blocks of 8 outputs, their weights side by side for every input
 (``skinny.c``) or for every 4 consecutive inputs (``q8.c``); block-scaled int8 has one scale
-per ``BLOCK_K`` inputs of each output."""
+per ``BLOCK_K`` inputs of each output, block-affine uint8 one scale and one base per
+``AFFINE_K``."""
 BLOCK_MULTIPLIERS = (127, 16, 8)
 """Largest |integer| of a block in the formats ``block_int8`` recognises: GGUF's Q8_0 (the
 largest weight of a block is 127 steps), Q5_0 (−16 steps) and Q4_0 (−8 steps)."""
@@ -96,7 +100,7 @@ def _build(cache: Path) -> Path:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.uag_linear_f32, lib.uag_linear_i8, lib.uag_linear_b8):
+    for fn in (lib.uag_linear_f32, lib.uag_linear_i8, lib.uag_linear_b8, lib.uag_linear_a8):
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
     lib.uag_linear_q8.restype = None
@@ -105,6 +109,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_decoder_layer.argtypes = [p, p, i64, i64, p, p, i64, p, p, p]
     lib.uag_block_int8.restype = i64
     lib.uag_block_int8.argtypes = [p, i64, i64, p, i64, p, p]
+    lib.uag_block_affine.restype = i64
+    lib.uag_block_affine.argtypes = [p, i64, i64, p, p]
     lib.uag_screen.restype = i64
     lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, ctypes.c_float, p, p, i64]
     return lib
@@ -175,12 +181,39 @@ def _blocked_self_test(lib: ctypes.CDLL, gen: torch.Generator) -> str | None:
     x = torch.randn(7, 64, generator=gen)
     blocked = NativeLinear(linear, lib=lib)
     plain = NativeLinear(linear, exact_blocks=False, lib=lib)
-    if not blocked.blocked:
+    if blocked.exact_format != "block_int8":
         return "the block int8 search missed an exactly representable weight"
     full = blocked(x)
     if not torch.equal(full, plain(x)) or not _invariant(blocked, x, full):
         return "the block int8 kernel does not give bitwise the fp32 kernel's rows"
+    with torch.no_grad():  # as Q4_K de-quantises: (fp16 scale · 6 bits) · q − (fp16 · 6 bits)
+        linear.weight.copy_(affine_like_weight(21, 64, levels=16, generator=gen))
+    affine, plain = NativeLinear(linear, lib=lib), NativeLinear(linear, exact_blocks=False, lib=lib)
+    if affine.exact_format != "block_affine":
+        return "the block affine search missed an exactly representable weight"
+    full = affine(x)
+    if not torch.equal(full, plain(x)) or not _invariant(affine, x, full):
+        return "the block affine kernel does not give bitwise the fp32 kernel's rows"
     return None
+
+
+def affine_like_weight(
+    out: int, width: int, *, levels: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``[out, width]`` fp32 as GGUF's k-quants de-quantise, per block of ``AFFINE_K``: an exact
+    scale (fp16 × 6-bit) times integers 0..15 minus an exact base (Q4_K: ``levels`` 16), or times
+    integers −32..31 (Q6_K: ``levels`` 64)."""
+    blocks = width // AFFINE_K
+    low = 0 if levels == 16 else -levels // 2
+    q = torch.randint(low, low + levels, (out, width), generator=generator).float()
+
+    def exact(size: tuple[int, int]) -> torch.Tensor:  # an fp16 times a 6-bit integer
+        d = (torch.rand(size, generator=generator) * 1e-3).half().float()
+        return d * torch.randint(1, 64, size, generator=generator).float()
+
+    scale, base = exact((out, blocks)), exact((out, blocks)) * (levels == 16)
+    scale, base = scale.repeat_interleave(AFFINE_K, 1), base.repeat_interleave(AFFINE_K, 1)
+    return q * scale - base
 
 
 def _invariant(layer: NativeLinear, x: torch.Tensor, full: torch.Tensor) -> bool:
@@ -238,6 +271,32 @@ def block_int8(
     return (q, scales) if found else None
 
 
+def block_affine(
+    weight: torch.Tensor, lib: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q uint8 [N, K], p fp32 [N, K/16, 2])`` with ``q[n, k] · p[n, k // 16, 0] +
+    p[n, k // 16, 1]`` (two float32 roundings, in that order) *equal* to every fp32 weight, or
+    None where that does not hold.
+
+    Why: GGUF's k-quants de-quantise to ``d · q − m`` per sub-block (Q4_K: 4-bit ``q`` and a
+    minimum per 32; Q6_K: 6-bit ``q`` per 16), with ``d`` and ``m`` exact products of an fp16
+    and a 6-bit integer, so every weight is exactly representable that way. Gemma 3's o and
+    down projections are stored so: ~40 % of its body's fp32 bytes. As with ``block_int8``,
+    nothing is assumed about the source: each block of 16 gets its smallest weight as the base
+    and the greatest common divisor of the distances from it as the scale, and one block that
+    this pair does not reproduce rejects the matrix (``csrc/skinny.c``'s ``uag_block_affine``).
+    """
+    out, width = weight.shape
+    lib = lib if lib is not None else _library()[0]
+    if lib is None or width % AFFINE_K or weight.dtype != torch.float32:
+        return None
+    w = weight.contiguous()
+    q = torch.empty(out, width, dtype=torch.uint8)
+    params = torch.empty(out, width // AFFINE_K, 2)
+    found = lib.uag_block_affine(w.data_ptr(), out, width, q.data_ptr(), params.data_ptr())
+    return (q, params) if found else None
+
+
 def symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` rounded to int8 with one scale per output row (symmetric): ``(q, scales)``."""
     weight = weight.float()
@@ -270,14 +329,17 @@ class NativeLinear(nn.Module):
             raise ValueError("dynamic (int8 activations) needs int8 weights")
         weight = linear.weight.detach()
         self.block_scales: torch.Tensor = torch.empty(0)
-        """Block-scaled int8 storage (``block_int8``), ``[N/8, K/32, 8]``; empty: none."""
-        blocks_found = None
+        """Exact block storage's parameters (``block_int8``: scales ``[N/8, K/32, 8]``;
+        ``block_affine``: scales and bases ``[N/8, K/16, 2, 8]``); empty: none."""
+        self.exact_format = ""
+        """``block_int8``, ``block_affine`` (weights held in blocks equal to the fp32 ones:
+        bitwise fp32 results) or empty (as ``int8`` / ``dynamic`` say)."""
         if exact_blocks and not int8:
-            blocks_found = block_int8(weight.float(), self.lib)
-        if blocks_found is not None:
-            q, bs = blocks_found
-            self._init_blocked(linear, q, bs)
-            return
+            for name, find in (("block_int8", block_int8), ("block_affine", block_affine)):
+                found = find(weight.float(), self.lib)
+                if found is not None:
+                    self._init_blocked(linear, *found, exact_format=name)
+                    return
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.k_step = Q8_K_STEP if dynamic else K_STEP
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
@@ -316,27 +378,37 @@ class NativeLinear(nn.Module):
         self.invariance = "invariant"
         """Row-count invariant by construction (``skinny.c``), checked at build time."""
 
-    def _init_blocked(self, linear: nn.Linear, q: torch.Tensor, bs: torch.Tensor) -> None:
-        """Store ``q · s`` (exactly the fp32 weight): int8 in the fp32 layout, scales beside."""
+    def _init_blocked(
+        self, linear: nn.Linear, q: torch.Tensor, bs: torch.Tensor, *, exact_format: str
+    ) -> None:
+        """Store ``q · s`` or ``q · s + b`` (exactly the fp32 weight): the integers in the fp32
+        layout, the block parameters beside."""
         assert self.lib is not None
+        self.exact_format = exact_format
         self.out_features, self.in_features = (int(d) for d in q.shape)
         self.k_step, self.int8, self.dynamic = K_STEP, False, False
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
         self.padded_in = self.in_features
         pad = self.padded_out - self.out_features
         self.register_buffer("weight_ilv", interleave(F.pad(q, (0, 0, 0, pad)), K_STEP))
-        self.block_scales = interleave(F.pad(bs, (0, 0, 0, pad)), 1)[..., 0].contiguous()
+        if exact_format == "block_int8":
+            self.block_scales = interleave(F.pad(bs, (0, 0, 0, pad)), 1)[..., 0].contiguous()
+        else:  # [N, K/16, 2] -> [N/8, K/16, 2, 8]
+            padded = F.pad(bs, (0, 0, 0, 0, 0, pad))
+            blocks = padded.shape[0] // BLOCK_ROWS
+            self.block_scales = padded.view(blocks, BLOCK_ROWS, -1, 2).permute(0, 2, 3, 1)
+            self.block_scales = self.block_scales.contiguous()
         self.register_buffer("scales", torch.ones(self.padded_out))
         self.register_buffer("wsum", torch.zeros(self.padded_out, dtype=torch.int32))
         bias = linear.bias
         self.bias_padded = None if bias is None else F.pad(bias.detach().float(), (0, pad))
-        self._fn = self.lib.uag_linear_b8
+        self._fn = self.lib.uag_linear_b8 if exact_format == "block_int8" else self.lib.uag_linear_a8
         self.invariance = "invariant"
 
     @property
     def blocked(self) -> bool:
-        """Weights held as block-scaled int8 equal to the fp32 ones (bitwise fp32 results)."""
-        return self.block_scales.numel() > 0
+        """Weights held in blocks equal to the fp32 ones (bitwise fp32 results)."""
+        return bool(self.exact_format)
 
     def to_fp32(self) -> None:
         """Hold the weight as fp32 again (fusing with an fp32 part; same results)."""
@@ -346,6 +418,7 @@ class NativeLinear(nn.Module):
         w = self.dequantized()
         self.weight_ilv = interleave(F.pad(w, (0, 0, 0, self.padded_out - self.out_features)))
         self.block_scales = torch.empty(0)
+        self.exact_format = ""
         self._fn = self.lib.uag_linear_f32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -412,10 +485,14 @@ class NativeLinear(nn.Module):
         blocks, steps = self.weight_ilv.shape[:2]
         w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * self.k_step)
         w = w[: self.out_features, : self.in_features].float()
-        if self.blocked:
+        if self.exact_format == "block_int8":
             s = self.block_scales.permute(0, 2, 1).reshape(blocks * BLOCK_ROWS, -1)
             s = s[: self.out_features].repeat_interleave(BLOCK_K, dim=1)
             return w * s
+        if self.exact_format == "block_affine":  # two roundings, as the kernel: (q · s) + b
+            p = self.block_scales.permute(0, 3, 1, 2).reshape(blocks * BLOCK_ROWS, -1, 2)
+            p = p[: self.out_features].repeat_interleave(AFFINE_K, dim=1)
+            return (w * p[..., 0]) + p[..., 1]
         return w * self.scales[: self.out_features, None] if self.int8 else w
 
     def extra_repr(self) -> str:
@@ -424,7 +501,7 @@ class NativeLinear(nn.Module):
             if self.dynamic
             else "int8 weight-only"
             if self.int8
-            else "fp32 (as exact block int8)"
+            else f"fp32 (as exact {self.exact_format.replace('_', ' ')})"
             if self.blocked
             else "fp32"
         )
@@ -441,7 +518,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     if not parts or not all(isinstance(p, NativeLinear) for p in parts):
         return None
     layers: list[NativeLinear] = [p for p in parts if isinstance(p, NativeLinear)]
-    if len({p.blocked for p in layers}) > 1:  # one storage per fused product
+    if len({p.exact_format for p in layers}) > 1:  # one storage per fused product
         for p in layers:
             p.to_fp32()
     first = layers[0]
@@ -459,6 +536,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     fused = NativeLinear.__new__(NativeLinear)
     nn.Module.__init__(fused)
     fused.lib, fused.int8, fused._fn = first.lib, first.int8, first._fn
+    fused.exact_format = first.exact_format
     fused.dynamic, fused.k_step = first.dynamic, first.k_step
     fused.in_features, fused.padded_in = first.in_features, first.padded_in
     fused.out_features = fused.padded_out = sum(p.out_features for p in layers)

@@ -78,7 +78,9 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
         None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
         layer.in_features,
         layer.out_features,
-        3 if layer.blocked else 2 if layer.dynamic else int(layer.int8),
+        {"block_int8": 3, "block_affine": 4}.get(
+            layer.exact_format, 2 if layer.dynamic else int(layer.int8)
+        ),
     )
 
 

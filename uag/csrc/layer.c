@@ -20,6 +20,8 @@ void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                    const float *scale, int64_t N, const float *bias, float *y, int64_t ldy);
 void uag_linear_b8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *bscale, int64_t N, const float *bias, float *y, int64_t ldy);
+void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
+                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy);
 void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
@@ -27,12 +29,14 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 
 typedef struct {
     const void *weight; /* interleaved (skinny.c) */
-    const float *scale; /* int8: one per output; block int8: [out/8][in/32][8]; else NULL */
+    const float *scale; /* int8: one per output; block int8: [out/8][in/32][8]; block affine:
+                           [out/8][in/16][2][8]; else NULL */
     const int32_t *wsum; /* dynamic int8: each output's sum of int8 weights; else NULL */
     const float *bias;  /* or NULL */
     int64_t in, out;    /* out: a multiple of 8 (the kernels' layout) */
     int64_t kind;       /* 0 fp32, 1 int8 weight-only (skinny.c), 2 dynamic int8 (q8.c),
-                           3 block-scaled int8 equal to the fp32 weight (skinny.c) */
+                           3 block-scaled int8 equal to the fp32 weight (skinny.c),
+                           4 block-affine uint8 equal to the fp32 weight (skinny.c) */
 } uag_linear_t;
 
 typedef struct {
@@ -55,6 +59,9 @@ static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y
                       l->bias, y, l->out, 1, NULL, NULL, 0, NULL);
     else if (l->kind == 3)
         uag_linear_b8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->out, l->bias,
+                      y, l->out);
+    else if (l->kind == 4)
+        uag_linear_a8(x, l->in, rows, l->in, (const uint8_t *)l->weight, l->scale, l->out, l->bias,
                       y, l->out);
     else if (l->kind == 1)
         uag_linear_i8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->out, l->bias,

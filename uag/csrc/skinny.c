@@ -20,7 +20,9 @@
  * with one float scale per output (weight-only quantisation:
  * y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]); or block-scaled int8 that *is* the fp32 weight
  * (q[n, k] * s[n, k / 32] exact, as in models de-quantised from GGUF's Q8_0 / Q5_0), widened back
- * in registers before each multiply-add, so its outputs are bitwise the fp32 path's.
+ * in registers before each multiply-add, so its outputs are bitwise the fp32 path's; or
+ * block-affine uint8 that is the fp32 weight (q[n, k] * s + b per block of 16, as in models
+ * de-quantised from GGUF's k-quants Q4_K / Q6_K), likewise widened back bitwise.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -28,6 +30,7 @@
 
 #define LANES 8 /* outputs per vector; the weight is stored as [N/8][K][8] */
 #define BLOCK_K 32 /* inputs sharing one scale in the block-scaled int8 layout */
+#define ABLOCK_K 16 /* inputs sharing one scale and base in the block-affine uint8 layout */
 
 static inline __attribute__((always_inline)) __m256 w_f32(const float *w) { return _mm256_loadu_ps(w); }
 static inline __attribute__((always_inline)) __m256 w_i8(const int8_t *w) {
@@ -86,6 +89,35 @@ static inline __attribute__((always_inline)) void k_b8(
         _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];
 }
 
+/* Block-affine uint8 that is exactly the fp32 weight: w[n, k] = fl(fl(q[n, k] * s) + b) for the
+ * (s, b) of its block of 16 inputs (checked when the layer is built: uag.native.block_affine), so
+ * each multiply-add sees bitwise the fp32 weight and the output is bitwise k_f32's, from 1.5 of
+ * fp32's 4 bytes per weight. Parameters: [N/8][K/16][2][8] (eight scales, then eight bases). */
+static inline __attribute__((always_inline)) void k_a8(
+    const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K,
+    const uint8_t *w, const float *ab, const int nv, __m256 *state) {
+    __m256 acc[6][8];
+    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = state[i * 8 + j];
+    const int64_t KB = K / ABLOCK_K;
+    for (int64_t k = k0; k < k1; k++) {
+        __m256 wv[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) {
+            const float *p = ab + (j * KB + k / ABLOCK_K) * 2 * LANES;
+            const __m256 q = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + (j * K + k) * LANES))));
+            wv[j] = _mm256_add_ps(_mm256_mul_ps(q, _mm256_loadu_ps(p)), _mm256_loadu_ps(p + LANES));
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)
+                acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];
+}
+
 #define CASE(KFN, MB, NV) case (MB) * 16 + (NV): KFN(x, ldx, MB, k0, k1, K, w, NV, state); break;
 #define CASES(KFN) \
     CASE(KFN,1,1) CASE(KFN,1,2) CASE(KFN,1,3) CASE(KFN,1,4) CASE(KFN,1,8) \
@@ -116,6 +148,19 @@ static void dispatch_b8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t
     }
 }
 
+#define CASE_A8(MB, NV) case (MB) * 16 + (NV): k_a8(x, ldx, MB, k0, k1, K, w, ab, NV, state); break;
+static void dispatch_a8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
+                        const uint8_t *w, const float *ab, int nv, __m256 *state) {
+    switch (mb * 16 + nv) {
+        CASE_A8(1,1) CASE_A8(1,2) CASE_A8(1,3) CASE_A8(1,4) CASE_A8(1,8)
+        CASE_A8(2,1) CASE_A8(2,2) CASE_A8(2,3) CASE_A8(2,4)
+        CASE_A8(3,1) CASE_A8(3,2) CASE_A8(3,3) CASE_A8(3,4)
+        CASE_A8(4,1) CASE_A8(4,2) CASE_A8(4,3)
+        CASE_A8(5,1) CASE_A8(5,2)
+        CASE_A8(6,1) CASE_A8(6,2)
+    }
+}
+
 #define GROUP 16 /* rows whose accumulators stay in one state buffer (16 x 8 vectors, 4 KB) */
 #define KC 128   /* inputs per chunk when a tile takes several passes */
 
@@ -141,9 +186,10 @@ static int max_rows(int nv) { return nv >= 8 ? 1 : nv == 4 ? 3 : nv == 3 ? 4 : 6
 static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int int8,
                   const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
     /* int8: 0 fp32, 1 int8 with one scale per output (applied at the end), 2 block-scaled int8
-     * (scale: [N/8][K/32][8], applied to each weight before its multiply-add) */
-    const float *bscale = int8 == 2 ? scale : NULL;
-    if (int8 == 2) scale = NULL;
+     * (scale: [N/8][K/32][8], applied to each weight before its multiply-add), 3 block-affine
+     * uint8 (scale: [N/8][K/16][2][8], likewise) */
+    const float *bscale = int8 >= 2 ? scale : NULL;
+    if (int8 >= 2) scale = NULL;
     const int64_t vectors = N / LANES;
     const int nv = tile_vectors(M), most = max_rows(nv);
     const int64_t tiles = (vectors + nv - 1) / nv;
@@ -174,9 +220,13 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
                             dispatch_f32(xm, ldx, mb, k0, k1, K, wf + j * LANES * K, step, st + j);
                         else if (int8 == 1)
                             dispatch_i8(xm, ldx, mb, k0, k1, K, wq + j * LANES * K, step, st + j);
-                        else
+                        else if (int8 == 2)
                             dispatch_b8(xm, ldx, mb, k0, k1, K, wq + j * LANES * K,
                                         bscale + (v0 + j) * (K / BLOCK_K) * LANES, step, st + j);
+                        else
+                            dispatch_a8(xm, ldx, mb, k0, k1, K, (const uint8_t *)wq + j * LANES * K,
+                                        bscale + (v0 + j) * (K / ABLOCK_K) * 2 * LANES, step,
+                                        st + j);
                     }
                     m0 += mb;
                 }
@@ -206,6 +256,12 @@ void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 void uag_linear_b8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *bscale, int64_t N, const float *bias, float *y, int64_t ldy) {
     drive(x, ldx, M, K, w, 2, bscale, N, bias, y, ldy);
+}
+
+/* Block-affine uint8 (k_a8): K a multiple of 16; bitwise uag_linear_f32 on the exact weight. */
+void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
+                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
+    drive(x, ldx, M, K, w, 3, params, N, bias, y, ldy);
 }
 
 /* Split w[N, K] (row-major fp32, K a multiple of 32) into q[N, K] int8 and s[N, K/32] with
@@ -242,6 +298,47 @@ int64_t uag_block_int8(const float *w, int64_t N, int64_t K, const int32_t *mult
                 }
             }
             if (!found) bad++;
+        }
+    }
+    return bad == 0;
+}
+
+/* Greatest common divisor of two non-negative floats that are integer multiples of one step
+ * (Euclid with fmodf, which is exact); a pair that is not gives some small value that the
+ * caller's reproduction check then rejects. Bounded, since Euclid on integers up to 255 takes
+ * at most 12 steps. */
+static float gcd_f(float a, float b) {
+    for (int i = 0; i < 64 && b > 0.0f; i++) {
+        const float t = fmodf(a, b);
+        a = b, b = t;
+    }
+    return a;
+}
+
+/* Split w[N, K] (row-major fp32, K a multiple of 16) into q[N, K] uint8 and p[N, K/16][2] with
+ * fl(fl(q * p[0]) + p[1]) equal to every weight (see uag.native.block_affine): per block of 16,
+ * the base is its smallest weight and the scale the greatest common divisor of the weights'
+ * distances from it; the block is taken when the integers are 0..255 and reproduce every weight.
+ * Returns 1, or 0 when some block has no such form. */
+int64_t uag_block_affine(const float *w, int64_t N, int64_t K, uint8_t *q, float *p) {
+    const int64_t KB = K / ABLOCK_K;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < KB && !bad; b++) {
+            const float *x = w + n * K + b * ABLOCK_K;
+            uint8_t *qb = q + n * K + b * ABLOCK_K;
+            float lo = x[0], sc = 0.0f;
+            for (int i = 1; i < ABLOCK_K; i++) lo = x[i] < lo ? x[i] : lo;
+            for (int i = 0; i < ABLOCK_K; i++) sc = gcd_f(x[i] - lo, sc);
+            int ok = isfinite(lo) && isfinite(sc);
+            for (int i = 0; i < ABLOCK_K && ok; i++) {
+                const float r = sc > 0.0f ? nearbyintf((x[i] - lo) / sc) : 0.0f;
+                ok = r <= 255.0f && r * sc + lo == x[i]; /* one value throughout: scale 0 */
+                qb[i] = (uint8_t)r;
+            }
+            p[(n * KB + b) * 2] = sc, p[(n * KB + b) * 2 + 1] = lo;
+            if (!ok) bad++;
         }
     }
     return bad == 0;
