@@ -186,7 +186,11 @@ def test_block_affine_refuses_a_weight_it_cannot_reproduce():
     assert native.block_affine(torch.randn(8, 64)) is None  # random fp32: no such form
     assert native.block_affine(torch.randn(8, 40)) is None  # 40 inputs: not whole blocks
     flat = native.block_affine(torch.full((8, 32), -0.25))  # one value per block: scale 0
-    assert flat is not None and not flat[0].any() and torch.equal(flat[1][..., 1], torch.full((8, 2), -0.25))
+    assert (
+        flat is not None
+        and not flat[0].any()
+        and torch.equal(flat[1][..., 1], torch.full((8, 2), -0.25))
+    )
 
 
 @needs_native

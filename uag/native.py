@@ -402,7 +402,9 @@ class NativeLinear(nn.Module):
         self.register_buffer("wsum", torch.zeros(self.padded_out, dtype=torch.int32))
         bias = linear.bias
         self.bias_padded = None if bias is None else F.pad(bias.detach().float(), (0, pad))
-        self._fn = self.lib.uag_linear_b8 if exact_format == "block_int8" else self.lib.uag_linear_a8
+        self._fn = (
+            self.lib.uag_linear_b8 if exact_format == "block_int8" else self.lib.uag_linear_a8
+        )
         self.invariance = "invariant"
 
     @property
