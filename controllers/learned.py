@@ -1,9 +1,13 @@
 """The learned controller at run time: an ONNX classifier behind the stop-policy protocol.
 
 Before each iteration it scores a *gate row* (only what is known before drafting: the target's
-confidence in its last token, how far into the answer) and skips drafting when drafting is unlikely to
-pay; after each drafted token it scores the token's feature row and stops below its threshold.
-Both rows come from ``uag.features``, the code ``uag collect`` used for the training data.
+confidence in its last token, how far into the answer) and after each drafted token the token's
+feature row: estimates that the draft so far will be accepted. Both rows come from
+``uag.features``, the code ``uag collect`` used for the training data. What it does with them is
+the ``decision`` its metadata names: ``cost`` (``controllers.cost``: draft on while the expected
+tokens are worth their price under the carried latency profile; skipping a round is the budget-0
+case) or ``threshold`` (stop below one score, skip below another; controllers exported before
+the cost rule).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from controllers.base import DraftContext, DraftStep, IterationOutcome
+from controllers.cost import CostRule, CostState
 from uag.errors import UagError
 from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_row, gate_row
 
@@ -39,6 +44,25 @@ class ControllerInfo:
     exported before this was recorded carry none and were all greedy)."""
     latency_profile: dict[str, Any]
     raw: dict[str, str] = field(repr=False)
+    decision: str = "threshold"
+    """``cost`` or ``threshold`` (see the module docstring)."""
+    rate_factor: float = 1.0
+    """``cost``: κ, the rate the decisions assume relative to the target alone."""
+    logit_shift: float = 0.0
+    """``cost``: what undoes the class weighting of the scores (``controllers.cost``)."""
+    gate: bool = True
+    """Whether a round may be skipped (files without the key: a positive gate threshold)."""
+
+    def cost_rule(self) -> CostRule:
+        """The ``cost`` decision's prices and rate, from the carried latency profile."""
+        profile = self.latency_profile
+        return CostRule(
+            draft_s=float(profile["draft_s"]),
+            verify_s=tuple(float(v) for v in profile["verify_s"]),
+            rate_factor=self.rate_factor,
+            max_lookahead=self.max_lookahead,
+            logit_shift=self.logit_shift,
+        )
 
 
 def _session(path: Path, *, use_cuda: bool) -> Any:
@@ -80,8 +104,18 @@ def read_contract(path: Path, session: Any) -> ControllerInfo:
             decoding=meta.get("decoding", "greedy"),
             latency_profile=json.loads(meta.get("latency_profile", "{}")),
             raw=meta,
+            decision=meta.get("decision", "threshold"),
+            rate_factor=float(meta.get("rate_factor", "1")),
+            logit_shift=float(meta.get("logit_shift", "0")),
+            gate=bool(json.loads(meta["gate"]))
+            if "gate" in meta
+            else float(meta.get("gate_threshold", "0")) > 0,
         )
-    except (KeyError, ValueError) as exc:
+        if info.decision not in ("cost", "threshold"):
+            raise ValueError(f"decision {info.decision!r}")
+        if info.decision == "cost":
+            info.cost_rule()  # a profile the rule can price with
+    except (KeyError, ValueError, TypeError) as exc:
         raise UagError(
             f"controller {path} lacks uag metadata ({exc}); export it with uag train-controller"
         ) from exc
@@ -104,11 +138,13 @@ class LearnedPolicy:
     needs_features: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        self.path = Path(self.path)  # a str from Python callers too
         self.session = _session(self.path, use_cuda=self.use_cuda)
         self.info = read_contract(self.path, self.session)
         self.input_name = self.session.get_inputs()[0].name
         self.output_name = self.session.get_outputs()[0].name
         self.decisions = 0
+        self._cost = CostState(self.info.cost_rule()) if self.info.decision == "cost" else None
 
     def _score(self, row: np.ndarray) -> float:
         self.decisions += 1
@@ -163,12 +199,21 @@ class LearnedPolicy:
         pass
 
     def budget(self, ctx: DraftContext) -> int:
+        if self._cost is not None:
+            gate = self._score(gate_row(ctx)) if self.info.gate else None
+            return self.info.max_lookahead if self._cost.start(gate) else 0
         if self.info.gate_threshold > 0 and self._score(gate_row(ctx)) < self.info.gate_threshold:
             return 0
         return self.info.max_lookahead
 
     def stop(self, step: DraftStep) -> bool:
-        return self._score(feature_row(step)) < self.info.threshold
+        score = self._score(feature_row(step))
+        if self._cost is not None:
+            candidates = step.target_tokens if step.target_tokens >= 0 else step.position
+            return not self._cost.keep_going(
+                score=score, position=step.position, candidates=candidates
+            )
+        return score < self.info.threshold
 
     def update(self, outcome: IterationOutcome) -> None:
         pass

@@ -332,4 +332,5 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
     confident, hopeless = (policy._score(feature_row(step(p))) for p in (0.99, 0.02))
     assert confident > hopeless + 0.2
     assert policy.stop(step(0.02))
+    assert policy.budget(ctx) >= 1  # a new round (the cost rule carries survival within one)
     assert not policy.stop(step(0.99))

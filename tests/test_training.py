@@ -155,10 +155,14 @@ def test_train_end_to_end_onnx_parity_and_metadata(tmp_path):
     assert json.loads(meta["feature_names"]) == list(FEATURE_NAMES)
     assert int(meta["schema_version"]) == SCHEMA_VERSION
     assert 0 < float(meta["threshold"]) < 1
+    assert meta["decision"] == "cost" and summary.decision == "cost"
+    assert float(meta["rate_factor"]) == pytest.approx(summary.sims["learned"].speedup, abs=2e-3)
     assert json.loads(meta["latency_profile"]) == PROFILE
     assert meta["target"] == "t" and meta["assistant"] == "a" and len(meta["data_hash"]) == 64
     assert meta["decoding"] == "greedy"  # what the data was collected under
     data = load_runs([run])
+    rate = data.labels.mean()  # the class weighting's odds factor, which the cost rule undoes
+    assert float(meta["logit_shift"]) == pytest.approx(np.log((1 - rate) / rate), abs=0.2)
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     onnx_p = sess.run(["p_accept"], {"features": data.features[:50]})[0]
     assert onnx_p.shape[0] == 50 and np.all((onnx_p >= 0) & (onnx_p <= 1))
@@ -317,3 +321,99 @@ def test_replay_uses_only_full_drafts_of_on_policy_runs(tmp_path):
     data.columns["explored"] = np.zeros_like(explored)
     with pytest.raises(UagError, match="no explored rounds"):
         replayable(data)
+
+
+def test_cost_rule_drafts_when_tokens_are_worth_their_price():
+    """The cost decision weighs expected tokens against draft and verify time at rate R."""
+    from controllers.cost import CostRule
+
+    flat = CostRule(draft_s=1.0, verify_s=(10.0,) * 7, rate_factor=1.0, max_lookahead=6)
+    # R = 0.1 tokens/s: one more draft (1 s) must bring > 0.1 expected tokens.
+    assert flat.worth_drafting(survival=1.0, hazard=0.2, drafted=0, candidates=0)
+    assert not flat.worth_drafting(survival=1.0, hazard=0.05, drafted=0, candidates=0)
+    # Survival carries: after two likely tokens, a third is worth it; after an unlikely one not.
+    assert flat.worth_drafting(survival=0.8, hazard=0.9, drafted=2, candidates=2)
+    assert not flat.worth_drafting(survival=0.08, hazard=0.5, drafted=2, candidates=2)
+    # A steep verify (each candidate +5 s) prices the same draft out ...
+    steep = CostRule(
+        draft_s=1.0,
+        verify_s=(10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0),
+        rate_factor=1.0,
+        max_lookahead=6,
+    )
+    assert not steep.worth_drafting(survival=1.0, hazard=0.4, drafted=0, candidates=0)
+    # ... and a higher rate (a better policy's time is worth more) drafts less.
+    assert flat.worth_drafting(survival=1.0, hazard=0.3, drafted=0, candidates=0)
+    richer = CostRule(draft_s=1.0, verify_s=(10.0,) * 7, rate_factor=4.0, max_lookahead=6)
+    assert not richer.worth_drafting(survival=1.0, hazard=0.3, drafted=0, candidates=0)
+    # The budget is a hard cap, and the first candidate's price is looked past: with a costly
+    # first candidate and cheap later ones, a run of likely tokens is still worth drafting.
+    assert not flat.worth_drafting(survival=1.0, hazard=1.0, drafted=6, candidates=6)
+    kink = CostRule(
+        draft_s=0.1,
+        verify_s=(10.0, 20.0, 20.1, 20.2, 20.3, 20.4, 20.5),
+        rate_factor=1.0,
+        max_lookahead=6,
+    )
+    one_alone = kink.rate * (0.1 + 10.0) < 0.6  # 0.6 tokens against 10.1 s at 0.1 tokens/s
+    three = kink.rate * (0.3 + 10.2) < 0.6 + 0.36 + 0.216
+    assert not one_alone and three
+    assert kink.worth_drafting(survival=1.0, hazard=0.6, drafted=0, candidates=0)
+
+
+def test_cost_rule_undoes_the_class_weighting():
+    from controllers.cost import CostRule
+
+    rule = CostRule(
+        draft_s=1.0,
+        verify_s=(10.0,),
+        rate_factor=1.0,
+        max_lookahead=4,
+        logit_shift=float(np.log(3.0)),
+    )
+    # odds 3:1 learned under weight 3 are odds 1:1
+    assert rule.probability(0.75) == pytest.approx(0.5)
+    assert rule.probability(0.5) == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        CostRule(draft_s=1.0, verify_s=(), rate_factor=1.0, max_lookahead=4)
+
+
+def test_replay_of_the_cost_rule_follows_the_runtime_state_and_its_fixed_point():
+    """Replay's cost stops are the runtime ``CostState``'s, step by step; the rate it settles on
+    is the speed-up it replays (Dinkelbach's fixed point)."""
+    from controllers.cost import CostState
+
+    profile = LatencyProfile(device="x", draft_s=1.0, verify_s=[10.0, 11.0, 12.0, 13.0, 14.0])
+    rng = np.random.default_rng(0)
+    n, L = 200, 4
+    hazards = rng.uniform(0.2, 1.0, (n, L))
+    scores = hazards.cumprod(axis=1)  # calibrated: P(the first j drafts are all accepted)
+    accepted = (rng.uniform(0, 1, (n, L)) < hazards).cumprod(axis=1).sum(axis=1)
+    tt = np.tile(np.arange(L + 1, dtype=float), (n, 1))
+    gate = hazards[:, 0]
+    its = replay.Iterations(
+        accepted=accepted,
+        drafted=np.full(n, L),
+        target_tokens=tt,
+        values={"score": scores},
+        gate=gate,
+    )
+    rule = replay.cost_rule(profile, rate_factor=1.2, max_lookahead=L, logit_shift=0.0)
+    stops = replay.cost_stops(its, rule, gate=True)
+    for i in range(n):  # the loop's view: budget, then stop() after each drafted token
+        state = CostState(rule)
+        if not state.start(float(gate[i])):
+            assert stops[i] == 0
+            continue
+        j = 1
+        while j < L and state.keep_going(
+            score=float(scores[i, j - 1]), position=j, candidates=float(j)
+        ):
+            j += 1
+        assert min(stops[i], L) == j
+    assert 0 < (stops == 0).sum() < n and len(set(stops.tolist())) >= 3  # all kinds of decisions
+    kappa, result = replay.rate_fixed_point(
+        its, profile, max_lookahead=L, logit_shift=0.0, gate=True
+    )
+    assert kappa == pytest.approx(result.speedup, abs=2e-3)
+    assert result.tokens_per_s > replay.best_static(its, profile).tokens_per_s  # calibrated scores

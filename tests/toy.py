@@ -50,14 +50,19 @@ def _ascii(data: bytes) -> bool:
     return bool(data) and all(32 <= b < 127 or b in (9, 10, 13) for b in data)
 
 
-def toy_pair(*, noise: float = 0.05, sharpness: float = 20.0, kernels: str = "auto") -> Pair:
+def toy_pair(
+    *, noise: float = 0.05, sharpness: float = 20.0, kernels: str = "auto", ascii_only: bool = True
+) -> Pair:
     """Tiny Gemma target ← the same network re-indexed to the assistant's vocabulary (+ noise).
 
     ``sharpness`` scales the final norm, so the logits are spread out as a trained model's are
     (a random tiny model's are nearly flat, and its top-k set would be a coin toss). Attention
     outputs are zeroed: the next-token distribution then depends on the last token's bytes
     only, which both vocabularies spell alike, so the two models agree as a trained pair would
-    (random networks fed two different tokenisations otherwise share nothing)."""
+    (random networks fed two different tokenisations otherwise share nothing).
+
+    ``ascii_only`` False keeps the tokens of multi-byte characters (whole or in pieces: 'é',
+    '😀' and '你好' split into byte tokens) in play, so samples can stop mid-character."""
     target_tok, assistant_tok = toy_tokenizers()
     target = tiny_gemma(len(target_tok))
     table_t = token_bytes_table(target_tok, len(target_tok))
@@ -66,7 +71,7 @@ def toy_pair(*, noise: float = 0.05, sharpness: float = 20.0, kernels: str = "au
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.zero_()
         for tid, data in enumerate(table_t):  # a zero (tied) row: a logit of 0, never top-k,
-            if not _ascii(data):  # so samples stay whole characters the assistant can follow
+            if ascii_only and not _ascii(data):  # samples then stay whole ASCII characters
                 target.get_input_embeddings().weight[tid].zero_()
     assistant = noisy_copy(target, scale=noise)
     assistant.resize_token_embeddings(len(assistant_tok), mean_resizing=False)

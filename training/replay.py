@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controllers.cost import CostRule, CostState
 from training.data import Collected
 from uag.latency import LatencyProfile
 
@@ -202,6 +203,72 @@ def best_learned(
                 best = (float(t), float(g), res)
     assert best is not None
     return best
+
+
+def cost_rule(
+    profile: LatencyProfile, *, rate_factor: float, max_lookahead: int, logit_shift: float
+) -> CostRule:
+    """The ``cost`` decision priced with ``profile`` (what the exported controller carries)."""
+    return CostRule(
+        draft_s=profile.draft_s,
+        verify_s=tuple(profile.verify_s),
+        rate_factor=rate_factor,
+        max_lookahead=max_lookahead,
+        logit_shift=logit_shift,
+    )
+
+
+def cost_stops(its: Iterations, rule: CostRule, *, gate: bool) -> np.ndarray:
+    """Where the ``cost`` decision stops in each iteration (0: skipped), through the very
+    ``CostState`` the runtime policy uses, one iteration at a time."""
+    scores, tt = its.values["score"], its.target_tokens
+    stops = np.zeros(len(its.accepted), dtype=int)
+    state = CostState(rule)
+    for i in range(len(stops)):
+        g = its.gate[i] if gate and its.gate is not None else np.nan
+        if not state.start(None if np.isnan(g) else float(g)):
+            continue
+        j = 1
+        while j < its.drafted[i] and state.keep_going(
+            score=float(scores[i, j - 1]), position=j, candidates=float(tt[i, j])
+        ):
+            j += 1
+        stops[i] = j if j < its.drafted[i] else its.max_len
+    return stops
+
+
+def learned_by_cost(
+    its: Iterations, profile: LatencyProfile, rule: CostRule, *, gate: bool
+) -> SimResult:
+    name = f"learned (cost, rate {rule.rate_factor:.2f}x{'' if gate else ', no skip'})"
+    return simulate(its, cost_stops(its, rule, gate=gate), profile, name)
+
+
+def rate_fixed_point(
+    its: Iterations,
+    profile: LatencyProfile,
+    *,
+    max_lookahead: int,
+    logit_shift: float,
+    gate: bool,
+    rounds: int = 12,
+) -> tuple[float, SimResult]:
+    """κ and the result of the ``cost`` decision that prices time at its own simulated rate.
+
+    Dinkelbach's iteration: start at the target-alone rate (κ = 1), simulate, set κ to the
+    speed-up found, repeat until it settles. No grid is searched, so nothing is tuned to the
+    noise of the prompts it runs on beyond this one number."""
+    kappa, result = 1.0, None
+    for _ in range(rounds):
+        rule = cost_rule(
+            profile, rate_factor=kappa, max_lookahead=max_lookahead, logit_shift=logit_shift
+        )
+        result = learned_by_cost(its, profile, rule, gate=gate)
+        if abs(result.speedup - kappa) < 1e-3:
+            break
+        kappa = max(result.speedup, 1e-3)
+    assert result is not None
+    return kappa, result
 
 
 PROB_GRID = np.round(np.linspace(0.02, 0.98, 49), 4)

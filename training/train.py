@@ -45,6 +45,10 @@ class TrainConfig:
     """Learn a gate that may skip drafting a round; False: only the stop rule (gate 0)."""
     allow_mixed: bool = False
     """Train on runs of different pairs, assistant precision, decoding or latency device."""
+    decision: str = "cost"
+    """How the exported controller decides: ``cost`` (expected tokens per second under the
+    carried latency profile, ``controllers.cost``) or ``threshold`` (score thresholds chosen by
+    replay on the validation prompts)."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -54,11 +58,17 @@ class TrainConfig:
             raise UagError(f"--hidden must be positive widths like 32,32, got {self.hidden}")
         if not 0 < self.val_fraction < 1:
             raise UagError(f"validation fraction must be in (0, 1), got {self.val_fraction}")
+        if self.decision not in ("cost", "threshold"):
+            raise UagError(f"--decision must be cost or threshold, got {self.decision!r}")
 
 
 @dataclass
 class TrainSummary:
     out: Path
+    decision: str
+    """What the export decides by: ``cost`` or ``threshold``."""
+    rate_factor: float
+    """``cost``: κ, the rate its decisions price time at (× the target alone)."""
     threshold: float
     """Stop drafting after a token whose P(accept) is below this."""
     gate_threshold: float
@@ -75,8 +85,14 @@ class TrainSummary:
         lines = [
             f"rows: train {self.rows.get('train', 0)}, validation {self.rows.get('val', 0)}",
             "validation ROC-AUC: " + ", ".join(f"{k} {v:.3f}" for k, v in self.auc.items()),
-            f"chosen thresholds (max simulated tokens/s on validation): stop below {self.threshold:.2f}, "
-            f"skip drafting below {self.gate_threshold:.2f}",
+            f"decision: {self.decision}"
+            + (
+                f" (draft while expected tokens beat their cost at {self.rate_factor:.2f}x the "
+                "target-alone rate, its own replayed rate)"
+                if self.decision == "cost"
+                else f" (thresholds with max simulated tokens/s on validation: stop below "
+                f"{self.threshold:.2f}, skip drafting below {self.gate_threshold:.2f})"
+            ),
             "simulated speed-up vs target alone (validation replay):",
         ]
         lines += [
@@ -133,9 +149,10 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     net.set_normalisation(train_set.features)
     positives = float(train_set.train_targets.sum())  # soft labels count as their expectation
     replay_set = replayable(val_set)  # AUC uses every validation row, replay full drafts only
+    pos_weight = (len(train_set.labels) - positives) / positives
     module = ControllerModule(
         net,
-        pos_weight=(len(train_set.labels) - positives) / positives,
+        pos_weight=pos_weight,
         lr=cfg.lr,
         val_data=replay_set,
     )
@@ -169,7 +186,13 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     auc = {"mlp": _auc(val_set.labels, scores), **_baselines(train_set, val_set)}
     its = iterations_with_scores(net, replay_set)
     profile = val_set.profile
-    threshold, gate_threshold, learned = replay.best_learned(its, profile, gate=cfg.gate)
+    max_lookahead = int(val_set.meta.get("max_lookahead", its.max_len))
+    logit_shift = float(np.log(pos_weight))  # the class weighting multiplied the odds by it
+    threshold, gate_threshold, by_threshold = replay.best_learned(its, profile, gate=cfg.gate)
+    rate_factor, by_cost = replay.rate_fixed_point(
+        its, profile, max_lookahead=max_lookahead, logit_shift=logit_shift, gate=cfg.gate
+    )
+    learned = by_cost if cfg.decision == "cost" else by_threshold
     _, conf_best = replay.best_threshold(
         its,
         profile,
@@ -188,6 +211,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     )
     sims = {
         "learned": learned,
+        "learned_other_rule": by_threshold if cfg.decision == "cost" else by_cost,
         "best_static": replay.best_static(its, profile),
         "confidence_0.4": replay.threshold_rule(
             its, profile, column="prob", threshold=0.4, below=True, name="confidence-0.4"
@@ -200,9 +224,13 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     metadata = {
         "feature_names": list(val_set.feature_names),
         "schema_version": str(val_set.schema_version),
+        "decision": cfg.decision,
+        "rate_factor": f"{rate_factor:.6f}",
+        "logit_shift": f"{logit_shift:.6f}",
+        "gate": json.dumps(cfg.gate),
         "threshold": f"{threshold:.6f}",
         "gate_threshold": f"{gate_threshold:.6f}",
-        "max_lookahead": str(int(meta.get("max_lookahead", its.max_len))),
+        "max_lookahead": str(max_lookahead),
         "target": meta["target"],
         "assistant": meta["assistant"],
         "assistant_int8": json.dumps(bool(meta.get("assistant_int8", False))),
@@ -219,6 +247,8 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     logger.experiment.flush()
     return TrainSummary(
         out=cfg.out,
+        decision=cfg.decision,
+        rate_factor=rate_factor,
         threshold=threshold,
         gate_threshold=gate_threshold,
         auc=auc,

@@ -640,6 +640,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="train on --data runs of different pairs, assistant precision, decoding mode or "
         "latency device (refused by default: their acceptance and latencies differ)",
     )
+    p.add_argument(
+        "--decision",
+        choices=("cost", "threshold"),
+        default="cost",
+        help="how the controller decides: cost (draft on while the expected accepted tokens are "
+        "worth their draft and verify time under the collected latency profile; no threshold "
+        "is tuned) or threshold (stop and skip below scores tuned by replay on the validation "
+        "prompts) (default: %(default)s)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -660,6 +669,7 @@ def run_train(args: argparse.Namespace) -> int:
         num_nodes=args.num_nodes,
         gate=args.gate,
         allow_mixed=args.allow_mixed,
+        decision=args.decision,
     )
     summary = train(cfg)
     if summary is None:

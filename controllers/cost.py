@@ -1,0 +1,116 @@
+"""Drafting decisions by expected tokens per second: the learned controller's ``cost`` rule.
+
+Why not one probability threshold: what a drafted token is worth depends on what it costs, and
+the costs are not linear (on a CPU the first candidate of a verify costs several times what each
+later one does; on a GPU a verify costs about the same for 1-8 candidates) and differ by machine.
+This rule reads the prices from the latency profile the controller carries and decides by them:
+
+* the controller estimates ``S_j``, the probability that the first ``j`` drafted tokens are all
+  accepted (its score after the j-th token; made non-increasing in j), and before a round the
+  gate estimates ``S_1``;
+* drafting ``h`` more tokens and verifying them is worth ``ΔE(h) = Σ_{i=1..h} S_j · ρ^i``
+  expected tokens (the hazard ``ρ = S_j / S_{j-1}`` held constant ahead) and costs
+  ``ΔT(h) = h · draft + verify(c + h · r) − verify(c)`` seconds (``c`` target candidates so
+  far, ``r`` per drafted token);
+* keep drafting while some ``h`` gives ``ΔE(h) > R · ΔT(h)``, where ``R`` is the rate (tokens per
+  second) the policy itself achieves: Dinkelbach's rule for maximising a ratio, here tokens per
+  second over a whole generation. ``R`` is the rate of the target alone times a factor κ that
+  training finds by iterating replay to its fixed point (``training.replay.rate_fixed_point``).
+
+Skipping a round is the budget-0 case: the gate's ``S_1`` against the cost of a first draft.
+The same function decides at run time and in replay, so replay predicts what the loop does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostRule:
+    """Prices and the rate that turn acceptance estimates into draft/stop decisions."""
+
+    draft_s: float
+    """One assistant step."""
+    verify_s: tuple[float, ...]
+    """Target pass over the pending token and ``m`` candidates, m = 0, 1, ... (seconds)."""
+    rate_factor: float
+    """κ: the decisions assume the policy runs at κ × the target-alone rate."""
+    max_lookahead: int
+    logit_shift: float = 0.0
+    """Subtracted from the classifier's logit to undo its training's class weighting (a
+    positive weight ``w`` multiplies the odds it learns by ``w``), so scores are probabilities."""
+
+    def __post_init__(self) -> None:
+        if not self.verify_s or self.draft_s < 0 or min(self.verify_s) <= 0:
+            raise ValueError("a cost rule needs a latency profile with positive verify costs")
+        if not self.rate_factor > 0:
+            raise ValueError(f"rate factor must be positive, got {self.rate_factor}")
+
+    @property
+    def rate(self) -> float:
+        """R, tokens per second the decisions price time at."""
+        return self.rate_factor / self.verify_s[0]
+
+    def verify(self, candidates: float) -> float:
+        """Verify cost at a possibly fractional candidate count: linear between the measured
+        counts, extrapolated with the last step beyond them."""
+        table = self.verify_s
+        if candidates <= 0:
+            return table[0]
+        low = min(int(candidates), len(table) - 1)
+        slope = (
+            table[low + 1] - table[low]
+            if low + 1 < len(table)
+            else (max(table[-1] - table[-2], 0.0) if len(table) > 1 else 0.0)
+        )
+        return table[low] + (candidates - low) * slope
+
+    def probability(self, score: float) -> float:
+        """The classifier's score with the class weighting undone."""
+        if self.logit_shift == 0.0:
+            return score
+        p = min(max(score, 1e-7), 1 - 1e-7)
+        return 1.0 / (1.0 + math.exp(-(math.log(p / (1 - p)) - self.logit_shift)))
+
+    def worth_drafting(
+        self, *, survival: float, hazard: float, drafted: int, candidates: float
+    ) -> bool:
+        """After ``drafted`` tokens (all accepted with probability ``survival``, which the
+        draft's text made ``candidates`` target tokens): is drafting more worth its cost?"""
+        per_draft = candidates / drafted if drafted else 1.0
+        gain, s = 0.0, survival
+        base = self.verify(candidates)
+        for h in range(1, self.max_lookahead - drafted + 1):
+            s *= hazard
+            gain += s
+            cost = h * self.draft_s + self.verify(candidates + h * per_draft) - base
+            if gain > self.rate * cost:
+                return True
+        return False
+
+
+@dataclass
+class CostState:
+    """One round's running survival estimate, as the loop feeds it drafted tokens."""
+
+    rule: CostRule
+    survival: float = 1.0
+
+    def start(self, gate_score: float | None) -> bool:
+        """A new round: draft at all? (``gate_score`` None: no gate, always draft.)"""
+        self.survival = 1.0
+        if gate_score is None:
+            return True
+        first = self.rule.probability(gate_score)
+        return self.rule.worth_drafting(survival=1.0, hazard=first, drafted=0, candidates=0.0)
+
+    def keep_going(self, *, score: float, position: int, candidates: float) -> bool:
+        """After the ``position``-th drafted token: draft another one?"""
+        estimate = min(self.rule.probability(score), self.survival)
+        hazard = estimate / self.survival if self.survival > 0 else 0.0
+        self.survival = estimate
+        return self.rule.worth_drafting(
+            survival=estimate, hazard=hazard, drafted=position, candidates=candidates
+        )
