@@ -94,3 +94,39 @@ def test_normalising_tokenizer_is_refused():
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
     with pytest.raises(UagError, match="not supported by the byte bridge"):
         TokenText(tok, len(tok))
+
+
+def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
+    """A checkpoint inside $UAG_CACHE loads its tokenizer from a pickle the second time, with
+    the same encodings, decodings and byte table; an edited tokenizer is rebuilt; a directory
+    outside the cache is never written to."""
+    from uag import tokcache
+    from uag.bridge import token_bytes_table
+
+    monkeypatch.setenv("UAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("UAG_TOKENIZER_CACHE", raising=False)
+    tok0 = tokenizers[1]  # SmolLM2's (byte-level BPE): Gemma's takes ~10x longer to save
+    inside = tmp_path / "cache" / "models" / "g"
+    tok0.save_pretrained(inside)
+    first = tokcache.load_tokenizer(str(inside))
+    entries = list(inside.glob("uag-tokenizer-*.pkl"))
+    assert len(entries) == 1
+    second = tokcache.load_tokenizer(str(inside))
+    assert getattr(second, tokcache.TABLE_ATTR) == token_bytes_table(tok0, len(tok0))
+    text = "def f(x):\r\n\tif x:  # café 😀 你好\n        return 12345678901234"
+    ids = tok0(text)["input_ids"]
+    for tok in (first, second):
+        assert tok(text)["input_ids"] == ids and tok.decode(ids) == tok0.decode(ids)
+    assert token_bytes_table(second, len(tok0) + 5)[-5:] == [b""] * 5  # padding rows
+    config = inside / "tokenizer_config.json"
+    config.write_text(config.read_text())  # touched: a new key, the stale entry goes
+    import os
+
+    os.utime(config, ns=(0, 0))
+    tokcache.load_tokenizer(str(inside))
+    now = list(inside.glob("uag-tokenizer-*.pkl"))
+    assert len(now) == 1 and now != entries
+    outside = tmp_path / "mine"
+    tok0.save_pretrained(outside)
+    tokcache.load_tokenizer(str(outside))
+    assert not list(outside.glob("uag-tokenizer-*")) and not list(tmp_path.glob("cache/token*"))

@@ -136,12 +136,15 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
 
     Handles byte-level BPE (GPT-2, SmolLM2, Llama 3) and SentencePiece with byte fallback
     (Gemma, Llama 2). Ids past the tokenizer's vocabulary (padding rows of an embedding
-    matrix) map to empty bytes.
+    matrix) map to empty bytes. A tokenizer from ``uag.tokcache`` carries its table already.
     """
+    n = max(len(tokenizer), vocab_size)
+    cached = getattr(tokenizer, "_uag_bytes_table", None)  # uag.tokcache.TABLE_ATTR
+    if cached is not None and len(cached) == len(tokenizer):
+        return [*cached, *(b"" for _ in range(n - len(cached)))]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = json.loads(backend.decoder.__getstate__()) if backend and backend.decoder else {}
     byte_level = "ByteLevel" in json.dumps(decoder)
-    n = max(len(tokenizer), vocab_size)
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
     unmap = {ch: b for b, ch in _bytes_to_unicode().items()}

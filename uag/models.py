@@ -237,15 +237,17 @@ def eos_ids_for(model: Any, tokenizer: Any) -> frozenset[int]:
 
 def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load one model reference for inference (weights cached after the first GGUF conversion)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from uag.tokcache import load_tokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = checkpoint_dir(ref)
     hf_logging.disable_progress_bar()  # loading a converted checkpoint takes seconds
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(source)
         model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
     except OSError as exc:
         raise UagError(f"cannot load model {ref!r}: {str(exc).splitlines()[0]}") from exc
