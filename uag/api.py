@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,8 @@ from uag.kernels import (
     swap_linears,
 )
 from uag.models import (
+    DEFAULT_ASSISTANT,
+    DEFAULT_TARGET,
     LoadedModel,
     check_reference,
     load_model,
@@ -43,38 +44,6 @@ from uag.sampling import (
     target_only_sample,
 )
 from uag.speculative import IterationRecord, StopReason, speculative_generate, target_only_generate
-
-DEFAULT_TARGET = "gemma-3-270m"
-DEFAULT_ASSISTANT = "smollm2-135m"
-
-
-@dataclass
-class RunConfig:
-    """What every prompt-set job (collect, bench) needs: prompts, output, and the model pair."""
-
-    prompts: str
-    """Prompt source: humaneval[:train|:test], a set in data/prompts, a local file; join with +."""
-    out: Path
-    target: str = DEFAULT_TARGET
-    assistant: str = DEFAULT_ASSISTANT
-    text_column: str = "text"
-    limit: int | None = None
-    max_new_tokens: int = 128
-    chat: bool = False
-    device: str = "auto"
-    dtype: str = "auto"
-    assistant_int8: bool = False
-    kernels: str = "auto"
-
-    def load_pair(self) -> Pair:
-        return load_pair(
-            self.target,
-            self.assistant,
-            device=self.device,
-            dtype=self.dtype,
-            assistant_int8=self.assistant_int8,
-            kernels=self.kernels,
-        )
 
 
 @dataclass

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from uag.api import RunConfig
 from uag.distribution import LogprobCheck, mean_logprob, paired_check
 from uag.errors import UagError
+from uag.jobs import RunConfig
 from uag.sampling import SamplingConfig
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"

@@ -50,7 +50,7 @@ def _positive_int(value: str) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from uag.api import DEFAULT_ASSISTANT, DEFAULT_TARGET
+    from uag.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
     p.add_argument(
         "--target",
@@ -97,7 +97,7 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
     """Fill the model flags the user left out: from the controller's training contract when
     one is given (the settings its thresholds were chosen for), else the defaults. Returns the
     note to print once the models load (never silently; not before an error)."""
-    from uag.api import DEFAULT_ASSISTANT, DEFAULT_TARGET
+    from uag.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
     adopted = []
     info = getattr(controller, "info", None)

@@ -26,9 +26,9 @@ import numpy as np
 
 from controllers.explore import ExplorePolicy, RoundLog
 from controllers.rules import StaticPolicy
-from uag.api import RunConfig
 from uag.errors import UagError
 from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
+from uag.jobs import RunConfig
 from uag.prompts import Prompt, load_prompts
 from uag.sampling import SamplingConfig
 

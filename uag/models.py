@@ -43,6 +43,10 @@ class EmbeddedModel:
     """How to install the package, for the error message when it is missing."""
 
 
+DEFAULT_TARGET = "gemma-3-270m"
+DEFAULT_ASSISTANT = "smollm2-135m"
+"""The default pair: both embedded, so a fresh install runs without a model hub."""
+
 EMBEDDED: dict[str, EmbeddedModel] = {
     "gemma-3-270m": EmbeddedModel(
         name="gemma-3-270m",
