@@ -23,7 +23,9 @@ from uag.sampling import SamplingConfig
 PROFILE = {"device": "cpu:test", "draft_s": 0.03, "verify_s": [0.08, 0.1]}
 
 
-def _export(path, *, names=FEATURE_NAMES, schema=SCHEMA_VERSION, threshold=0.5, gate=0.3, seed=0):
+def _export(
+    path, *, names=FEATURE_NAMES, schema=SCHEMA_VERSION, threshold=0.5, gate=0.3, seed=0, extra=None
+):
     torch.manual_seed(seed)
     net = ControllerNet(len(FEATURE_NAMES), (8,))
     rows = np.random.default_rng(seed).normal(size=(64, len(FEATURE_NAMES))).astype(np.float32)
@@ -38,6 +40,7 @@ def _export(path, *, names=FEATURE_NAMES, schema=SCHEMA_VERSION, threshold=0.5, 
         "assistant": "smollm2-135m",
         "assistant_int8": "false",
         "latency_profile": PROFILE,
+        **(extra or {}),
     }
     export_onnx(net, path, metadata=meta, check_rows=rows)
     return net, rows
@@ -96,6 +99,48 @@ def test_learned_policy_is_lossless_in_the_loop(tmp_path, tiny_dirs):
     out = uag.generate(pair, "Once upon a time", policy=policy, max_new_tokens=30)
     assert out.token_ids == ref.token_ids
     assert policy.decisions > 0
+
+
+COST = {
+    "decision": "cost",
+    "rate_factor": "1.1",
+    "logit_shift": "0.2",
+    "gate": "true",
+    # cheap drafts: a token is worth drafting above ~0.14 expected acceptance
+    "latency_profile": {"device": "cpu:test", "draft_s": 0.005, "verify_s": [0.08, 0.085, 0.09]},
+}
+
+
+def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs):
+    """A controller that decides by cost: lossless in the loop, drafting where its prices say
+    so, and bench prints replay's prediction for it beside the
+    measurement."""
+    _export(tmp_path / "c.onnx", extra=COST)
+    policy = LearnedPolicy(tmp_path / "c.onnx")
+    assert policy.info.decision == "cost" and policy.info.gate
+    pair = uag.load_pair(*tiny_dirs)
+    ref = uag.generate(pair, "Once upon a time", policy=None, max_new_tokens=30)
+    out = uag.generate(pair, "Once upon a time", policy=policy, max_new_tokens=30)
+    assert out.token_ids == ref.token_ids
+    drafted = [r.drafted for r in out.iterations]
+    assert policy.decisions > 0 and max(drafted) >= 1
+    cfg = BenchConfig(
+        prompts="mixed",
+        limit=2,
+        out=tmp_path,
+        target=tiny_dirs[0],
+        assistant=tiny_dirs[1],
+        max_new_tokens=12,
+        controller=tmp_path / "c.onnx",
+        policies="target-only,learned,oracle",
+        progress=False,
+    )
+    by_name = {p.name: p for p in run_bench(cfg).policies}
+    assert by_name["learned"].identical and by_name["learned"].predicted is not None
+    bad = {**COST, "decision": "guess"}
+    _export(tmp_path / "bad.onnx", extra=bad)
+    with pytest.raises(UagError, match="lacks uag metadata"):
+        LearnedPolicy(tmp_path / "bad.onnx")
 
 
 def test_bad_controller_input(tmp_path, capsys):
@@ -174,6 +219,11 @@ def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
     # equals it, up to rounding, when nothing would be accepted).
     assert by_name["oracle"].speedup_vs_target >= 1.0 - 1e-9
     assert by_name["target-only"].interval == (1.0, 1.0)
+    # Replay's prediction beside the measurement: static-2 and the oracle are replayable.
+    assert by_name["static-2"].predicted is not None and by_name["static-2"].predicted > 0
+    assert by_name["target-only"].predicted is None and by_name["broken"].predicted is None
+    assert by_name["static-2"].predicted <= by_name["oracle"].speedup_vs_target + 1e-9
+    assert "replay predicts" in report.markdown()
     for res in report.policies:
         if not res.simulated:  # paired per prompt: the point estimate lies inside its interval
             assert res.interval is not None and len(res.per_prompt_seconds) == 2

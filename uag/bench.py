@@ -6,7 +6,10 @@ speed reported as ratios to ``target-only`` over the same prompts, with a 95 % b
 over prompts (these cores drift by several percent: a ratio without an interval says too
 little); every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
 it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
-the latency profile measured in this run, and is marked simulated.
+the latency profile measured in this run, and is marked simulated. The same pass gives replay's
+prediction for every static-K and learned arm, printed beside its measurement, so the
+simulator's error shows in every run (``training.replay``; a learned arm replays the very rule
+its controller decides by).
 
 With ``sampling`` (``uag bench --sample``) every arm of a round runs with the same seed, and the
 identity check becomes ``uag.distribution``'s paired log-probability check against target-only
@@ -86,6 +89,9 @@ class PolicyResult:
     """Sampling: each run's mean target log-probability per generated token, in run order."""
     check: LogprobCheck | None = None
     """Sampling: the paired check of ``logprobs`` against target-only's."""
+    predicted: float | None = None
+    """Replay's speed-up for this arm, from the long-lookahead pass over the same prompts and
+    the latency profile measured in this run (None: not replayable, or no oracle pass)."""
 
     @property
     def identical(self) -> bool:
@@ -119,6 +125,7 @@ class PolicyResult:
             "controller_share": round(self.policy_seconds / self.seconds, 5)
             if self.seconds and self.policy_seconds
             else None,
+            "replay_predicted": None if self.predicted is None else round(self.predicted, 4),
         }
 
 
@@ -169,8 +176,8 @@ class BenchReport:
         sampled = any(p.check is not None for p in self.policies)
         check = "same distribution (Δ log p / token, 95 %)" if sampled else "identical"
         lines = [
-            f"| policy | speed-up vs target-only | 95 % interval | {check} | tokens / target forward | acceptance | controller time |",
-            "|---|---|---|---|---|---|---|",
+            f"| policy | speed-up vs target-only | 95 % interval | replay predicts | {check} | tokens / target forward | acceptance | controller time |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for p in self.policies:
             row = p.as_row()
@@ -183,8 +190,9 @@ class BenchReport:
             acc = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
             share = f"{row['controller_share']:.2%}" if row["controller_share"] else "-"
             ci = f"{p.interval[0]:.2f}–{p.interval[1]:.2f}x" if p.interval else "-"
+            sim = f"{p.predicted:.2f}x" if p.predicted is not None else "-"
             lines.append(
-                f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ci} | {ident} | {tpf} | {acc} | {share} |"
+                f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ci} | {sim} | {ident} | {tpf} | {acc} | {share} |"
             )
         return "\n".join(lines)
 
@@ -388,12 +396,12 @@ def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
     return lambda: policy
 
 
-def _oracle(pair: Any, prompts: list[Any], cfg: BenchConfig) -> float:
-    """Simulated oracle speed-up from a long-lookahead pass over the same prompts."""
+def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, Any]:
+    """A long-lookahead pass over the same prompts, as collected rows, and the latency profile
+    measured now: what replay needs to predict the oracle, static-K and learned arms."""
     import uag
     from controllers.rules import StaticPolicy
     from training.data import from_columns
-    from training.replay import build_iterations, oracle
     from uag.collect import rows_for_prompt
     from uag.features import FEATURE_NAMES, SCHEMA_VERSION
     from uag.latency import measure_profile
@@ -419,13 +427,56 @@ def _oracle(pair: Any, prompts: list[Any], cfg: BenchConfig) -> float:
         if len(cols["accepted"]):
             parts.append(cols)
     if not parts:
-        return 1.0
+        return None, profile
     meta = {
         "feature_names": list(FEATURE_NAMES),
         "schema_version": SCHEMA_VERSION,
         "latency_profile": profile.to_dict(),
     }
-    return oracle(build_iterations(from_columns(parts, meta)), profile).speedup
+    return from_columns(parts, meta), profile
+
+
+def _predict(name: str, data: Any, profile: Any, cfg: BenchConfig) -> float | None:
+    """Replay's speed-up for arm ``name`` (static-K with K ≤ the pass's lookahead, learned,
+    oracle), or None for arms replay cannot simulate."""
+    import numpy as np
+
+    from training import replay
+    from uag.features import to_gate_rows
+
+    if data is None:
+        return 1.0 if name == "oracle" else None
+    if name == "oracle":
+        return replay.oracle(replay.build_iterations(data), profile).speedup
+    if name.startswith("static-") and int(name.split("-")[1]) <= ORACLE_LOOKAHEAD:
+        k = int(name.split("-")[1])
+        return replay.static(replay.build_iterations(data), profile, k).speedup
+    if name != "learned" and not name.startswith("learned:"):
+        return None
+    from controllers.learned import LearnedPolicy
+
+    path = cfg.controller if name == "learned" else Path(name.split(":", 1)[1])
+    if path is None:
+        return None
+    policy = LearnedPolicy(path)
+    if policy.info.max_lookahead > ORACLE_LOOKAHEAD:
+        return None
+
+    def scores(rows: np.ndarray) -> np.ndarray:
+        out = policy.session.run([policy.output_name], {policy.input_name: rows})[0]
+        return np.asarray(out, dtype=np.float64).reshape(-1)
+
+    first = data.columns["position"] == 1
+    gate = np.full(len(data.labels), np.nan)
+    gate[first] = scores(to_gate_rows(data.features[first]))
+    its = replay.build_iterations(data, scores(data.features), gate)
+    if policy.info.decision == "cost":
+        stops = replay.cost_stops(its, policy.info.cost_rule(), gate=policy.info.gate)
+        return replay.simulate(its, stops, profile, name).speedup
+    gate_below = policy.info.gate_threshold if policy.info.gate else 0.0
+    return replay.learned(
+        its, profile, stop_below=policy.info.threshold, gate_below=gate_below
+    ).speedup
 
 
 def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
@@ -492,10 +543,12 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         if sampling is not None:
             res.check = paired_check(base.logprobs, res.logprobs)
     ordered = [results[n] for n in arms]
-    if "oracle" in names:
-        ordered.append(
-            PolicyResult("oracle", simulated=True, speedup_vs_target=_oracle(pair, prompts, cfg))
-        )
+    if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
+        data, profile = _replay_pass(pair, prompts, cfg)
+        for res in ordered:
+            res.predicted = _predict(res.name, data, profile, cfg)
+        oracle = _predict("oracle", data, profile, cfg)
+        ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
     machine = (
         f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} threads, torch {torch.__version__}, device {pair.target.device}"
