@@ -111,7 +111,10 @@ def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
     first = tokcache.load_tokenizer(str(inside))
     entries = list(inside.glob("uag-tokenizer-*.pkl"))
     assert len(entries) == 1
+    assert tokcache.load_tokenizer(str(inside)) is first  # this process keeps it
+    tokcache._LOADED.clear()  # a new process: from the pickle
     second = tokcache.load_tokenizer(str(inside))
+    assert second is not first
     assert getattr(second, tokcache.TABLE_ATTR) == token_bytes_table(tok0, len(tok0))
     text = "def f(x):\r\n\tif x:  # café 😀 你好\n        return 12345678901234"
     ids = tok0(text)["input_ids"]

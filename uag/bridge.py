@@ -17,6 +17,7 @@ This module knows nothing of models.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Sequence
@@ -136,7 +137,8 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
 
     Handles byte-level BPE (GPT-2, SmolLM2, Llama 3) and SentencePiece with byte fallback
     (Gemma, Llama 2). Ids past the tokenizer's vocabulary (padding rows of an embedding
-    matrix) map to empty bytes. A tokenizer from ``uag.tokcache`` carries its table already.
+    matrix) map to empty bytes. The table is kept on the tokenizer (``uag.tokcache`` pickles it
+    with converted models' tokenizers), and reused while the vocabulary's length is unchanged.
     """
     n = max(len(tokenizer), vocab_size)
     cached = getattr(tokenizer, "_uag_bytes_table", None)  # uag.tokcache.TABLE_ATTR
@@ -162,6 +164,8 @@ def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
         else:
             m = _BYTE_FALLBACK.fullmatch(piece)
             table.append(bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode())
+    with contextlib.suppress(AttributeError, TypeError):  # kept for the next bridge over it
+        tokenizer._uag_bytes_table = list(table)
     table.extend(b"" for _ in range(n - len(table)))
     return table
 

@@ -10,6 +10,11 @@ directory is never written to), as ``uag-tokenizer-<key>.pkl`` beside the tokeni
 key covers every tokenizer file's size and modification time and the versions that shape the
 objects, so an edited or re-converted tokenizer is rebuilt (and the stale entry removed). Set
 ``UAG_TOKENIZER_CACHE=0`` to bypass it.
+
+Within one process every local checkpoint's tokenizer is also kept by the same key, so loading
+the same pair again (the Python API, bench's stock copy, a test suite) reuses it: uag never
+modifies a tokenizer, and one whose vocabulary changed no longer matches its byte table's
+length, which ``uag.bridge.token_bytes_table`` checks.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+_LOADED: dict[str, Any] = {}
+"""This process's tokenizers by directory and key."""
 TABLE_ATTR = "_uag_bytes_table"
 """Where a cached tokenizer carries its byte table (``uag.bridge.token_bytes_table``)."""
 FORMAT = 1
@@ -60,10 +67,21 @@ def load_tokenizer(source: str) -> Any:
     from uag.models import cache_root
 
     directory = Path(source).resolve()
-    ours = directory.is_dir() and directory.is_relative_to(cache_root().resolve())
-    key = _key(directory) if ours else None
+    key = _key(directory) if directory.is_dir() else None
     if key is None or os.environ.get("UAG_TOKENIZER_CACHE", "1") == "0":
         return AutoTokenizer.from_pretrained(source)
+    memo = f"{directory}\0{key}"
+    if memo not in _LOADED:
+        _LOADED[memo] = _load(source, directory, key, cache_root())
+    return _LOADED[memo]
+
+
+def _load(source: str, directory: Path, key: str, root: Path) -> Any:
+    """The tokenizer of ``directory``: from its pickle when inside ``root`` and seen before."""
+    from transformers import AutoTokenizer
+
+    if not directory.is_relative_to(root.resolve()):
+        return AutoTokenizer.from_pretrained(source)  # never written to: not uag's directory
     path = directory / f"uag-tokenizer-{key}.pkl"
     if path.is_file():
         try:
