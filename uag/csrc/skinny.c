@@ -118,47 +118,36 @@ static inline __attribute__((always_inline)) void k_a8(
         _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];
 }
 
-#define CASE(KFN, MB, NV) case (MB) * 16 + (NV): KFN(x, ldx, MB, k0, k1, K, w, NV, state); break;
-#define CASES(KFN) \
-    CASE(KFN,1,1) CASE(KFN,1,2) CASE(KFN,1,3) CASE(KFN,1,4) CASE(KFN,1,8) \
-    CASE(KFN,2,1) CASE(KFN,2,2) CASE(KFN,2,3) CASE(KFN,2,4) \
-    CASE(KFN,3,1) CASE(KFN,3,2) CASE(KFN,3,3) CASE(KFN,3,4) \
-    CASE(KFN,4,1) CASE(KFN,4,2) CASE(KFN,4,3) \
-    CASE(KFN,5,1) CASE(KFN,5,2) \
-    CASE(KFN,6,1) CASE(KFN,6,2)
+/* The register-blocking shapes (mb rows x nv vectors) every kernel is instantiated for; one
+ * list, so the kernels cannot disagree on which shapes tile_vectors / max_rows may ask for. */
+#define SHAPES(C) \
+    C(1,1) C(1,2) C(1,3) C(1,4) C(1,8) \
+    C(2,1) C(2,2) C(2,3) C(2,4) \
+    C(3,1) C(3,2) C(3,3) C(3,4) \
+    C(4,1) C(4,2) C(4,3) \
+    C(5,1) C(5,2) \
+    C(6,1) C(6,2)
+
+#define CASE_F32(MB, NV) case (MB) * 16 + (NV): k_f32(x, ldx, MB, k0, k1, K, w, NV, state); break;
+#define CASE_I8(MB, NV) case (MB) * 16 + (NV): k_i8(x, ldx, MB, k0, k1, K, w, NV, state); break;
+#define CASE_B8(MB, NV) case (MB) * 16 + (NV): k_b8(x, ldx, MB, k0, k1, K, w, bs, NV, state); break;
+#define CASE_A8(MB, NV) case (MB) * 16 + (NV): k_a8(x, ldx, MB, k0, k1, K, w, ab, NV, state); break;
 
 static void dispatch_f32(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
                          const float *w, int nv, __m256 *state) {
-    switch (mb * 16 + nv) { CASES(k_f32) }
+    switch (mb * 16 + nv) { SHAPES(CASE_F32) }
 }
 static void dispatch_i8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
                         const int8_t *w, int nv, __m256 *state) {
-    switch (mb * 16 + nv) { CASES(k_i8) }
+    switch (mb * 16 + nv) { SHAPES(CASE_I8) }
 }
-#define CASE_B8(MB, NV) case (MB) * 16 + (NV): k_b8(x, ldx, MB, k0, k1, K, w, bs, NV, state); break;
 static void dispatch_b8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
                         const int8_t *w, const float *bs, int nv, __m256 *state) {
-    switch (mb * 16 + nv) {
-        CASE_B8(1,1) CASE_B8(1,2) CASE_B8(1,3) CASE_B8(1,4) CASE_B8(1,8)
-        CASE_B8(2,1) CASE_B8(2,2) CASE_B8(2,3) CASE_B8(2,4)
-        CASE_B8(3,1) CASE_B8(3,2) CASE_B8(3,3) CASE_B8(3,4)
-        CASE_B8(4,1) CASE_B8(4,2) CASE_B8(4,3)
-        CASE_B8(5,1) CASE_B8(5,2)
-        CASE_B8(6,1) CASE_B8(6,2)
-    }
+    switch (mb * 16 + nv) { SHAPES(CASE_B8) }
 }
-
-#define CASE_A8(MB, NV) case (MB) * 16 + (NV): k_a8(x, ldx, MB, k0, k1, K, w, ab, NV, state); break;
 static void dispatch_a8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
                         const uint8_t *w, const float *ab, int nv, __m256 *state) {
-    switch (mb * 16 + nv) {
-        CASE_A8(1,1) CASE_A8(1,2) CASE_A8(1,3) CASE_A8(1,4) CASE_A8(1,8)
-        CASE_A8(2,1) CASE_A8(2,2) CASE_A8(2,3) CASE_A8(2,4)
-        CASE_A8(3,1) CASE_A8(3,2) CASE_A8(3,3) CASE_A8(3,4)
-        CASE_A8(4,1) CASE_A8(4,2) CASE_A8(4,3)
-        CASE_A8(5,1) CASE_A8(5,2)
-        CASE_A8(6,1) CASE_A8(6,2)
-    }
+    switch (mb * 16 + nv) { SHAPES(CASE_A8) }
 }
 
 #define GROUP 16 /* rows whose accumulators stay in one state buffer (16 x 8 vectors, 4 KB) */
