@@ -270,9 +270,18 @@ def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
     assert static is not None and wrong is not None and static.pairs == wrong.pairs == 6
     assert static.consistent and by_name["static-2"].sound
     assert not wrong.consistent and wrong.mean > 0  # the argmax is likelier than a sample
+    # The PIT test needs no reference: every token of every run against the target's exact
+    # distribution. Exact arms (target-only included) pass; the argmax arm fails on its own.
+    for name in ("target-only", "static-2"):
+        uni = by_name[name].uniformity
+        assert uni is not None and uni.samples == by_name[name].tokens and uni.consistent
+    greedy_uni = by_name["greedy"].uniformity
+    assert greedy_uni is not None and not greedy_uni.consistent
+    assert not by_name["greedy"].sound and by_name["target-only"].sound
     assert by_name["static-2"].drafted > 0
     row = {r["name"]: r for r in report.to_json()["policies"]}["static-2"]
     assert row["identical"] is None and row["same_distribution"] is True
+    assert row["pit_uniformity"]["consistent"] is True
     assert "same distribution" in report.markdown() and "**NO**" in report.markdown()
     with pytest.raises(UagError, match="oracle"):
         run_bench(BenchConfig(**{**cfg.__dict__, "policies": "target-only,oracle"}))

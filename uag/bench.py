@@ -12,8 +12,10 @@ simulator's error shows in every run (``training.replay``; a learned arm replays
 its controller decides by).
 
 With ``sampling`` (``uag bench --sample``) every arm of a round runs with the same seed, and the
-identity check becomes ``uag.distribution``'s paired log-probability check against target-only
-sampling, which flags an arm whose samples the target finds more or less probable than its own.
+identity check becomes ``uag.distribution``'s two checks: the paired log-probability check against
+target-only sampling, which flags an arm whose samples the target finds more or less probable
+than its own, and a PIT uniformity test of every sampled token against the target's exact
+distribution (target-only included: it checks the scorer too).
 The oracle (a greedy replay) is not available there.
 """
 
@@ -31,7 +33,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from uag.distribution import LogprobCheck, mean_logprob, paired_check
+from uag.distribution import (
+    LogprobCheck,
+    UniformityCheck,
+    paired_check,
+    score_run,
+    uniformity_check,
+)
 from uag.errors import UagError
 from uag.jobs import RunConfig
 from uag.sampling import SamplingConfig
@@ -89,6 +97,10 @@ class PolicyResult:
     """Sampling: each run's mean target log-probability per generated token, in run order."""
     check: LogprobCheck | None = None
     """Sampling: the paired check of ``logprobs`` against target-only's."""
+    pit: list[float] = field(default_factory=list)
+    """Sampling: every generated token's PIT value under the target (``uag.distribution``)."""
+    uniformity: UniformityCheck | None = None
+    """Sampling: the KS test of ``pit`` against the uniform distribution."""
     predicted: float | None = None
     """Replay's speed-up for this arm, from the long-lookahead pass over the same prompts and
     the latency profile measured in this run (None: not replayable, or no oracle pass)."""
@@ -100,10 +112,12 @@ class PolicyResult:
     @property
     def sound(self) -> bool:
         """Greedy: every output identical to target-only's; sampling: the distribution check
-        finds no difference (simulated arms are not checked)."""
+        finds no difference and every token passes the PIT test (simulated arms: unchecked)."""
         if self.simulated:
             return True
-        return self.check.consistent if self.check is not None else self.identical
+        if self.check is None:
+            return self.identical
+        return self.check.consistent and (self.uniformity is None or self.uniformity.consistent)
 
     def as_row(self) -> dict[str, Any]:
         sampled = self.check is not None
@@ -116,6 +130,14 @@ class PolicyResult:
             "same_distribution": self.check.consistent if self.check is not None else None,
             "mean_logprob": round(statistics.fmean(self.logprobs), 4) if self.logprobs else None,
             "logprob_diff_vs_target": _diff_row(self.check),
+            "pit_uniformity": None
+            if self.uniformity is None
+            else {
+                "tokens": self.uniformity.samples,
+                "ks_statistic": _finite_or_none(self.uniformity.statistic, 5),
+                "p_value": round(self.uniformity.p_value, 5),
+                "consistent": self.uniformity.consistent,
+            },
             "tokens_per_target_forward": round(self.tokens / self.target_forwards, 4)
             if self.target_forwards
             else None,
@@ -127,6 +149,10 @@ class PolicyResult:
             else None,
             "replay_predicted": None if self.predicted is None else round(self.predicted, 4),
         }
+
+
+def _finite_or_none(value: float, digits: int) -> float | None:
+    return round(value, digits) if math.isfinite(value) else None
 
 
 def _diff_row(check: LogprobCheck | None) -> dict[str, Any] | None:
@@ -147,14 +173,18 @@ def _check_cell(p: PolicyResult) -> str:
         return "simulated"
     if p.check is None:
         return "yes" if p.identical else f"**NO** ({p.identical_runs}/{p.runs})"
+    pit = ""
+    if p.uniformity is not None:
+        pit = f"PIT p {p.uniformity.p_value:.3f} over {p.uniformity.samples} tokens"
     if p.name == "target-only":
-        return "reference"
+        verdict = "yes" if p.sound else "**NO**"
+        return f"{verdict}: reference; {pit}" if pit else "reference"
     c = p.check
     if not math.isfinite(c.mean):
         return "**NO** (samples the target cannot produce)"
     low, high = c.interval
-    verdict = "yes" if c.consistent else "**NO**"
-    return f"{verdict} (Δ {c.mean:+.3f} [{low:+.3f}, {high:+.3f}])"
+    verdict = "yes" if p.sound else "**NO**"
+    return f"{verdict} (Δ {c.mean:+.3f} [{low:+.3f}, {high:+.3f}]; {pit})"
 
 
 @dataclass
@@ -174,7 +204,9 @@ class BenchReport:
 
     def markdown(self) -> str:
         sampled = any(p.check is not None for p in self.policies)
-        check = "same distribution (Δ log p / token, 95 %)" if sampled else "identical"
+        check = (
+            "same distribution (Δ log p / token, 95 %; PIT uniformity)" if sampled else "identical"
+        )
         lines = [
             f"| policy | speed-up vs target-only | 95 % interval | replay predicts | {check} | tokens / target forward | acceptance | controller time |",
             "|---|---|---|---|---|---|---|---|",
@@ -404,15 +436,9 @@ def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, 
     from training.data import from_columns
     from uag.collect import rows_for_prompt
     from uag.features import FEATURE_NAMES, SCHEMA_VERSION
-    from uag.latency import measure_profile
+    from uag.latency import measure_pair_profile
 
-    profile = measure_profile(
-        target=pair.target_lm,
-        assistant=pair.assistant_lm,
-        target_tokenizer=pair.target.tokenizer,
-        assistant_tokenizer=pair.assistant.tokenizer,
-        max_candidates=ORACLE_LOOKAHEAD + 1,
-    )
+    profile = measure_pair_profile(pair, max_candidates=ORACLE_LOOKAHEAD + 1)
     parts = []
     for p in prompts:
         out = uag.generate(
@@ -521,8 +547,12 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             reference = runs["target-only"].ids
             if sampling is not None:  # scored after the timed runs, outside them
                 prompt_ids = _prompt_ids(pair, prompt.text, chat=cfg.chat)
-                for name, run in runs.items():
-                    results[name].logprobs.append(mean_logprob(pair, prompt_ids, run.ids, sampling))
+                for arm_index, (name, run) in enumerate(runs.items()):
+                    scored = score_run(
+                        pair, prompt_ids, run.ids, sampling, seed=rounds * 1009 + arm_index
+                    )
+                    results[name].logprobs.append(scored.mean_logprob)
+                    results[name].pit.extend(scored.pit)
             for name, run in runs.items():
                 res = results[name]
                 res.per_prompt_seconds[-1] += run.seconds
@@ -542,6 +572,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             res.interval = bootstrap_interval(base.per_prompt_seconds, res.per_prompt_seconds)
         if sampling is not None:
             res.check = paired_check(base.logprobs, res.logprobs)
+            res.uniformity = uniformity_check(res.pit)
     ordered = [results[n] for n in arms]
     if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
         data, profile = _replay_pass(pair, prompts, cfg)

@@ -9,6 +9,16 @@ it up. So each run's samples are scored by the target's own processed distributi
 compared with target-only sampling on the same prompt and seed: the per-pair differences have
 mean zero when the arm is exact. Pairing by prompt removes most of the spread (prompts differ
 far more from one another than two samples of one prompt do).
+
+The paired check compares two arms and averages a whole run into one number; a second check
+tests every sampled token on its own against the target's exact distribution, and needs no
+reference arm: the randomised probability integral transform (PIT). Order the vocabulary by
+descending probability (ties by id); a token ``x`` drawn from ``p`` maps to
+``u = F(x−) + U·p(x)`` with ``F(x−)`` the mass ahead of it and ``U`` uniform, and ``u`` is then
+exactly uniform on (0, 1). If every emitted token is drawn from the target's distribution given
+everything before it (what lossless sampling means), the ``u`` of all tokens of all runs are
+independent uniforms; a Kolmogorov–Smirnov test on them can fail for any distortion, in either
+direction: tokens the target ranks lower push ``u`` up, greedy-like rules push it down.
 """
 
 from __future__ import annotations
@@ -83,23 +93,85 @@ def paired_check(base: Sequence[float], arm: Sequence[float]) -> LogprobCheck:
     return LogprobCheck(pairs=n, mean=mean, stderr=stderr)
 
 
-@torch.inference_mode()
-def mean_logprob(
-    pair: Any, prompt_ids: Sequence[int], new_ids: Sequence[int], sampling: SamplingConfig
-) -> float:
-    """Mean over ``new_ids`` of log p(token | everything before it), ``p`` the target's
-    processed distribution (``-inf`` for a token outside it, e.g. cut by top-p)."""
-    if not new_ids:
+@dataclass(frozen=True)
+class UniformityCheck:
+    """Kolmogorov–Smirnov test of PIT values (``pit_value``) against the uniform distribution."""
+
+    samples: int
+    statistic: float
+    """The KS distance D (NaN when a sample is impossible under the target)."""
+    p_value: float
+
+    @property
+    def consistent(self) -> bool:
+        """No evidence against uniformity at ``FLAG_P`` (and every sample possible)."""
+        return math.isfinite(self.statistic) and self.p_value >= FLAG_P
+
+
+def pit_value(probs: torch.Tensor, token: int, u: float) -> float:
+    """Randomised PIT of ``token`` under ``probs`` ([V], descending-probability order, ties by
+    id): uniform on (0, 1) when ``token`` is a draw from ``probs``; NaN when ``probs[token]`` is 0
+    (no draw from ``probs`` could be that token)."""
+    px = probs[token]
+    if float(px) <= 0.0:
         return math.nan
+    ahead = probs[probs > px].sum() + probs[:token][probs[:token] == px].sum()
+    return float(ahead) + u * float(px)
+
+
+def uniformity_check(values: Sequence[float]) -> UniformityCheck:
+    """One-sample KS test of ``values`` against Uniform(0, 1)."""
+    from scipy.stats import kstest
+
+    if not values or not all(math.isfinite(v) for v in values):
+        return UniformityCheck(samples=len(values), statistic=math.nan, p_value=0.0)
+    res = kstest(list(values), "uniform")
+    return UniformityCheck(
+        samples=len(values), statistic=float(res.statistic), p_value=float(res.pvalue)
+    )
+
+
+@dataclass(frozen=True)
+class ScoredRun:
+    """A sampled run under the target's processed distribution."""
+
+    mean_logprob: float
+    """Mean log p per generated token (``-inf``: a token the target cannot produce)."""
+    pit: tuple[float, ...]
+    """One PIT value per generated token (``pit_value``)."""
+
+
+@torch.inference_mode()
+def score_run(
+    pair: Any,
+    prompt_ids: Sequence[int],
+    new_ids: Sequence[int],
+    sampling: SamplingConfig,
+    *,
+    seed: int,
+) -> ScoredRun:
+    """Score ``new_ids`` (sampled after ``prompt_ids``) token by token under the target's
+    processed distribution; ``seed`` drives the PIT's uniforms (a fixed stream, independent of
+    the run's own, so scoring is reproducible)."""
+    if not new_ids:
+        return ScoredRun(mean_logprob=math.nan, pit=())
+    gen = torch.Generator().manual_seed(seed)
+    total, pit = 0.0, []
+    for row, token in zip(_target_rows(pair, prompt_ids, new_ids), new_ids, strict=True):
+        probs = processed_probs(row[None], sampling)[0]
+        p = float(probs[token])
+        total += math.log(p) if p > 0 else -math.inf
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        pit.append(pit_value(probs, token, u))
+    return ScoredRun(mean_logprob=total / len(new_ids), pit=tuple(pit))
+
+
+def _target_rows(pair: Any, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> torch.Tensor:
+    """The target's full logits ``[len(new_ids), V]``: row i predicts ``new_ids[i]``."""
     target = pair.target_lm
     target.reset(list(prompt_ids), rollback=False)
     rows = [target.full_logits(target.forward()[-1:])]  # predicts new_ids[0]
     for start in range(0, len(new_ids) - 1, SCORE_ROWS):
         target.ids.extend(new_ids[start : start + SCORE_ROWS])
         rows.append(target.full_logits(target.forward()))
-    logits = torch.cat(rows)[: len(new_ids)]
-    total = 0.0
-    for row, token in zip(logits, new_ids, strict=True):
-        p = float(processed_probs(row[None], sampling)[0, token])
-        total += math.log(p) if p > 0 else -math.inf
-    return total / len(new_ids)
+    return torch.cat(rows)[: len(new_ids)]
