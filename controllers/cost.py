@@ -17,14 +17,17 @@ This rule reads the prices from the latency profile the controller carries and d
   second over a whole generation. ``R`` is the rate of the target alone times a factor κ that
   training finds by iterating replay to its fixed point (``training.replay.rate_fixed_point``).
 
-Skipping a round is the budget-0 case: the gate's ``S_1`` against the cost of a first draft.
+Skipping a round is the budget-0 case: the gate's ``S_1`` against the cost of a first draft,
+which also feeds the assistant the text it lags by (the profile's ``catchup_s``).
 The same function decides at run time and in replay, so replay predicts what the loop does.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,32 @@ class CostRule:
     logit_shift: float = 0.0
     """Subtracted from the classifier's logit to undo its training's class weighting (a
     positive weight ``w`` multiplies the odds it learns by ``w``), so scores are probabilities."""
+    step_s: float | None = None
+    """The target-alone step the rate is relative to (None: ``verify_s[0]``)."""
+    catchup_s: float = 0.0
+    """Extra cost of a round's first draft step (it feeds the text the assistant lags by)."""
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: Mapping[str, Any],
+        *,
+        rate_factor: float,
+        max_lookahead: int,
+        logit_shift: float = 0.0,
+    ) -> CostRule:
+        """The rule priced by a latency profile in its dictionary form (``LatencyProfile``'s
+        ``to_dict``, as collected data and exported controllers carry it)."""
+        step = profile.get("step_s")
+        return cls(
+            draft_s=float(profile["draft_s"]),
+            verify_s=tuple(float(v) for v in profile["verify_s"]),
+            rate_factor=rate_factor,
+            max_lookahead=max_lookahead,
+            logit_shift=logit_shift,
+            step_s=None if step is None else float(step),
+            catchup_s=float(profile.get("catchup_s", 0.0)),
+        )
 
     def __post_init__(self) -> None:
         if not self.verify_s or self.draft_s < 0 or min(self.verify_s) <= 0:
@@ -51,7 +80,7 @@ class CostRule:
     @property
     def rate(self) -> float:
         """R, tokens per second the decisions price time at."""
-        return self.rate_factor / self.verify_s[0]
+        return self.rate_factor / (self.step_s if self.step_s is not None else self.verify_s[0])
 
     def verify(self, candidates: float) -> float:
         """Verify cost at a possibly fractional candidate count: linear between the measured
@@ -81,7 +110,7 @@ class CostRule:
         draft's text made ``candidates`` target tokens): is drafting more worth its cost?"""
         per_draft = candidates / drafted if drafted else 1.0
         gain, s = 0.0, survival
-        base = self.verify(candidates)
+        base = self.verify(candidates) - (self.catchup_s if drafted == 0 else 0.0)
         for h in range(1, self.max_lookahead - drafted + 1):
             s *= hazard
             gain += s

@@ -55,10 +55,8 @@ class ControllerInfo:
 
     def cost_rule(self) -> CostRule:
         """The ``cost`` decision's prices and rate, from the carried latency profile."""
-        profile = self.latency_profile
-        return CostRule(
-            draft_s=float(profile["draft_s"]),
-            verify_s=tuple(float(v) for v in profile["verify_s"]),
+        return CostRule.from_profile(
+            self.latency_profile,
             rate_factor=self.rate_factor,
             max_lookahead=self.max_lookahead,
             logit_shift=self.logit_shift,

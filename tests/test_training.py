@@ -119,6 +119,69 @@ def test_replay_arithmetic_static_two_wins():
     assert replay.static(its, profile, 2).speedup == pytest.approx(3 / 12 * 10.0)
 
 
+def test_replay_prices_what_the_loop_pays_around_forwards():
+    """Round bookkeeping, the first draft's catch-up and the prefill are priced; target-alone
+    runs at its own back-to-back step and pays the target's prefill too."""
+    profile = LatencyProfile(
+        device="x",
+        draft_s=1.0,
+        verify_s=[10.0, 10.0, 10.0, 13.0, 16.0],
+        step_s=8.0,
+        round_s=0.5,
+        catchup_s=2.0,
+    )
+    its = _iterations([2, 2], [4, 4], [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    # static-2: 3 tokens per round for 0.5 + 2 + 2 × 1 + 10 s; target-alone: 8 s per token.
+    res = replay.static(its, profile, 2)
+    assert res.tokens_per_s == pytest.approx(6 / 29)
+    assert res.speedup == pytest.approx(6 * 8.0 / 29)
+    # A skipped round pays the bookkeeping and a plain verify, no catch-up.
+    skip = replay.simulate(its, np.zeros(2, dtype=int), profile, "skip")
+    assert skip.tokens_per_s == pytest.approx(2 / 21)
+    # Prefill: both sides pay the target's, only speculation the assistant's.
+    pre = replay.Prefill(target_s=20.0, assistant_s=5.0)
+    with_pre = replay.static(its, profile, 2, prefill=pre)
+    assert with_pre.speedup == pytest.approx((6 * 8.0 + 20.0) / (29 + 25.0))
+    assert profile.round_cost(drafted=2, candidates=2) == pytest.approx(14.5)
+    # Profiles written before these fields price as before.
+    old = LatencyProfile.from_dict({"device": "x", "draft_s": 1.0, "verify_s": [10.0, 10.0]})
+    assert old.target_step_s == 10.0 and old.round_s == 0.0 and old.catchup_s == 0.0
+    assert LatencyProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_loop_overheads_come_from_the_measured_rounds():
+    from uag.latency import loop_overheads
+    from uag.speculative import IterationRecord
+
+    def rec(drafted: int, draft: float, verify: float, first: float, whole: float):
+        return IterationRecord(
+            drafted=drafted,
+            candidates=drafted,
+            accepted_candidates=0,
+            emitted=1,
+            accepted_drafts=0,
+            draft_s=draft,
+            verify_s=verify,
+            bridge_s=0.0,
+            policy_s=0.0,
+            first_draft_s=first,
+            round_s=whole,
+        )
+
+    records = [
+        rec(0, 0.0, 50.0, 0.0, 51.0),  # the target's prefill
+        rec(2, 40.0, 12.0, 30.0, 60.0),  # the assistant's prefill rides on its first step
+        rec(2, 5.0, 12.0, 3.0, 18.0),
+        rec(0, 0.0, 10.0, 0.0, 10.5),  # skipped: no draft step to learn from
+        rec(3, 7.0, 13.0, 3.5, 21.5),
+        rec(2, 5.0, 12.0, 3.0, 18.5),
+    ]
+    round_s, catchup_s = loop_overheads(records, draft_s=2.0)
+    assert round_s == pytest.approx(1.5)  # medians of 1.0, 1.5, 1.5
+    assert catchup_s == pytest.approx(1.0)  # median first step 3.0 against 2.0 per step
+    assert loop_overheads(records[:2], draft_s=2.0) == (0.0, 0.0)
+
+
 def test_replay_threshold_rule_stops_after_low_token():
     profile = LatencyProfile(device="x", draft_s=1.0, verify_s=[10.0, 10.0, 10.0, 10.0])
     its = replay.Iterations(
@@ -359,6 +422,27 @@ def test_cost_rule_drafts_when_tokens_are_worth_their_price():
     three = kink.rate * (0.3 + 10.2) < 0.6 + 0.36 + 0.216
     assert not one_alone and three
     assert kink.worth_drafting(survival=1.0, hazard=0.6, drafted=0, candidates=0)
+
+
+def test_cost_rule_prices_the_catchup_and_reads_the_profile():
+    from controllers.cost import CostRule
+
+    plain = CostRule(draft_s=1.0, verify_s=(10.0,) * 7, rate_factor=1.0, max_lookahead=1)
+    # One draft at 0.1 tokens/s: worth it above 0.1 expected tokens, above 0.3 with 2 s catch-up.
+    lagging = CostRule.from_profile(
+        {"draft_s": 1.0, "verify_s": [10.0] * 7, "catchup_s": 2.0, "step_s": 5.0},
+        rate_factor=0.5,
+        max_lookahead=1,
+    )
+    assert lagging.rate == pytest.approx(plain.rate) and lagging.catchup_s == 2.0
+    assert plain.worth_drafting(survival=1.0, hazard=0.2, drafted=0, candidates=0)
+    assert not lagging.worth_drafting(survival=1.0, hazard=0.2, drafted=0, candidates=0)
+    assert lagging.worth_drafting(survival=1.0, hazard=0.35, drafted=0, candidates=0)
+    # Later drafts in a round pay no catch-up.
+    more = CostRule.from_profile(
+        {"draft_s": 1.0, "verify_s": [10.0] * 7, "catchup_s": 2.0}, rate_factor=1.0, max_lookahead=3
+    )
+    assert more.worth_drafting(survival=1.0, hazard=0.2, drafted=1, candidates=1)
 
 
 def test_cost_rule_undoes_the_class_weighting():

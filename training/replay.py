@@ -8,11 +8,14 @@ stops, ``j`` (0 ≤ j ≤ L):
 * accepted drafts: ``min(j, a)`` where ``a`` is the iteration's accepted count;
 * target tokens emitted: the candidates of the accepted prefix plus the one token the target
   always adds, ``tt(min(j, a)) + 1`` (``tt(k)``: target candidates of the first k drafts);
-* cost: ``j`` draft steps plus one verification of ``tt(j)`` candidates.
+* cost: ``j`` draft steps plus one verification of ``tt(j)`` candidates, plus what the loop
+  pays around them (``LatencyProfile.round_cost``: the round's bookkeeping, and the catch-up rows
+  its first draft step feeds); a skipped round (``j = 0``) pays a plain step and the bookkeeping.
 
 Throughput is Σ emitted / Σ cost over all iterations (the usual assumption that iterations are
 exchangeable: a policy's choices do not change which text comes next, only how it is cut).
-Target-alone decoding pays one plain target step per token, so speed-up = throughput × step cost.
+Target-alone decoding pays one plain target step per token, so speed-up = throughput × step cost;
+given the prefill a run pays before its first round (``Prefill``), both sides pay it too.
 """
 
 from __future__ import annotations
@@ -96,7 +99,24 @@ class SimResult:
     acceptance: float
 
 
-def simulate(its: Iterations, stop_at: np.ndarray, profile: LatencyProfile, name: str) -> SimResult:
+@dataclass(frozen=True)
+class Prefill:
+    """Seconds the replayed runs spent before their first round, summed over prompts."""
+
+    target_s: float = 0.0
+    """The target's prompt pass (target-alone pays it too)."""
+    assistant_s: float = 0.0
+    """The assistant's prompt pass (only speculative runs pay it)."""
+
+
+def simulate(
+    its: Iterations,
+    stop_at: np.ndarray,
+    profile: LatencyProfile,
+    name: str,
+    *,
+    prefill: Prefill | None = None,
+) -> SimResult:
     """Throughput if each iteration had drafted ``stop_at[i]`` tokens (clipped to what was drafted)."""
     j = np.minimum(stop_at.astype(int), its.drafted)
     rows = np.arange(len(j))
@@ -104,13 +124,21 @@ def simulate(its: Iterations, stop_at: np.ndarray, profile: LatencyProfile, name
     verify_table = np.array(
         [profile.verify(m) for m in range(int(np.nanmax(its.target_tokens)) + 1)]
     )
-    cost = j * profile.draft_s + verify_table[its.target_tokens[rows, j].astype(int)]
-    tps = float(emitted.sum() / cost.sum())
+    cost = (
+        profile.round_s
+        + (j > 0) * profile.catchup_s
+        + j * profile.draft_s
+        + verify_table[its.target_tokens[rows, j].astype(int)]
+    )
+    pre = prefill or Prefill()
+    seconds = float(cost.sum()) + pre.target_s + pre.assistant_s
+    tps = float(emitted.sum()) / seconds
+    alone = float(emitted.sum()) * profile.target_step_s + pre.target_s
     drafted = float(j.sum())
     return SimResult(
         name=name,
         tokens_per_s=tps,
-        speedup=tps * profile.target_step_s,
+        speedup=alone / seconds,
         mean_drafted=drafted / len(j),
         acceptance=float(np.minimum(j, its.accepted).sum() / drafted) if drafted else 0.0,
     )
@@ -122,13 +150,17 @@ def first_stop(its: Iterations, stop: np.ndarray) -> np.ndarray:
     return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, its.max_len)
 
 
-def static(its: Iterations, profile: LatencyProfile, k: int) -> SimResult:
-    return simulate(its, np.full(len(its.accepted), k), profile, f"static-{k}")
+def static(
+    its: Iterations, profile: LatencyProfile, k: int, *, prefill: Prefill | None = None
+) -> SimResult:
+    return simulate(its, np.full(len(its.accepted), k), profile, f"static-{k}", prefill=prefill)
 
 
-def oracle(its: Iterations, profile: LatencyProfile) -> SimResult:
+def oracle(
+    its: Iterations, profile: LatencyProfile, *, prefill: Prefill | None = None
+) -> SimResult:
     """Drafts exactly the tokens that will be accepted (none when none will): the ceiling."""
-    return simulate(its, its.accepted, profile, "oracle")
+    return simulate(its, its.accepted, profile, "oracle", prefill=prefill)
 
 
 def threshold_rule(
@@ -174,14 +206,20 @@ def best_static(its: Iterations, profile: LatencyProfile) -> SimResult:
 
 
 def learned(
-    its: Iterations, profile: LatencyProfile, *, stop_below: float, gate_below: float
+    its: Iterations,
+    profile: LatencyProfile,
+    *,
+    stop_below: float,
+    gate_below: float,
+    prefill: Prefill | None = None,
 ) -> SimResult:
     """The learned controller: skip drafting when the gate score is below ``gate_below``, else
     draft until a token scores below ``stop_below`` (that token is still verified)."""
     j = first_stop(its, its.values["score"] < stop_below)
     if its.gate is not None:
         j = np.where(np.nan_to_num(its.gate, nan=1.0) < gate_below, 0, j)
-    return simulate(its, j, profile, f"learned (stop<{stop_below:.2f}, skip<{gate_below:.2f})")
+    name = f"learned (stop<{stop_below:.2f}, skip<{gate_below:.2f})"
+    return simulate(its, j, profile, name, prefill=prefill)
 
 
 def best_learned(
@@ -209,9 +247,8 @@ def cost_rule(
     profile: LatencyProfile, *, rate_factor: float, max_lookahead: int, logit_shift: float
 ) -> CostRule:
     """The ``cost`` decision priced with ``profile`` (what the exported controller carries)."""
-    return CostRule(
-        draft_s=profile.draft_s,
-        verify_s=tuple(profile.verify_s),
+    return CostRule.from_profile(
+        profile.to_dict(),
         rate_factor=rate_factor,
         max_lookahead=max_lookahead,
         logit_shift=logit_shift,

@@ -428,18 +428,21 @@ def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
     return lambda: policy
 
 
-def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, Any]:
-    """A long-lookahead pass over the same prompts, as collected rows, and the latency profile
-    measured now: what replay needs to predict the oracle, static-K and learned arms."""
+def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, Any, Any]:
+    """A long-lookahead pass over the same prompts, as collected rows, the latency profile
+    measured now, and the prefill the pass paid (``training.replay.Prefill``): what replay
+    needs to predict the oracle, static-K and learned arms over whole runs."""
     import uag
     from controllers.rules import StaticPolicy
     from training.data import from_columns
+    from training.replay import Prefill
     from uag.collect import rows_for_prompt
     from uag.features import FEATURE_NAMES, SCHEMA_VERSION
     from uag.latency import measure_pair_profile
 
     profile = measure_pair_profile(pair, max_candidates=ORACLE_LOOKAHEAD + 1)
     parts = []
+    target_prefill = assistant_prefill = 0.0
     for p in prompts:
         out = uag.generate(
             pair,
@@ -452,17 +455,24 @@ def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, 
         cols = rows_for_prompt(p, out.iterations)
         if len(cols["accepted"]):
             parts.append(cols)
+        # Round 0 is the target's prompt pass; the first drafting round's first step also
+        # feeds the assistant its prompt.
+        target_prefill += out.iterations[0].verify_s if out.iterations else 0.0
+        first = next((r for r in out.iterations if r.drafted), None)
+        if first is not None:
+            assistant_prefill += max(first.first_draft_s - profile.draft_s - profile.catchup_s, 0)
+    prefill = Prefill(target_s=target_prefill, assistant_s=assistant_prefill)
     if not parts:
-        return None, profile
+        return None, profile, prefill
     meta = {
         "feature_names": list(FEATURE_NAMES),
         "schema_version": SCHEMA_VERSION,
         "latency_profile": profile.to_dict(),
     }
-    return from_columns(parts, meta), profile
+    return from_columns(parts, meta), profile, prefill
 
 
-def _predict(name: str, data: Any, profile: Any, cfg: BenchConfig) -> float | None:
+def _predict(name: str, data: Any, profile: Any, prefill: Any, cfg: BenchConfig) -> float | None:
     """Replay's speed-up for arm ``name`` (static-K with K ≤ the pass's lookahead, learned,
     oracle), or None for arms replay cannot simulate."""
     import numpy as np
@@ -473,10 +483,10 @@ def _predict(name: str, data: Any, profile: Any, cfg: BenchConfig) -> float | No
     if data is None:
         return 1.0 if name == "oracle" else None
     if name == "oracle":
-        return replay.oracle(replay.build_iterations(data), profile).speedup
+        return replay.oracle(replay.build_iterations(data), profile, prefill=prefill).speedup
     if name.startswith("static-") and int(name.split("-")[1]) <= ORACLE_LOOKAHEAD:
         k = int(name.split("-")[1])
-        return replay.static(replay.build_iterations(data), profile, k).speedup
+        return replay.static(replay.build_iterations(data), profile, k, prefill=prefill).speedup
     if name != "learned" and not name.startswith("learned:"):
         return None
     from controllers.learned import LearnedPolicy
@@ -498,10 +508,10 @@ def _predict(name: str, data: Any, profile: Any, cfg: BenchConfig) -> float | No
     its = replay.build_iterations(data, scores(data.features), gate)
     if policy.info.decision == "cost":
         stops = replay.cost_stops(its, policy.info.cost_rule(), gate=policy.info.gate)
-        return replay.simulate(its, stops, profile, name).speedup
+        return replay.simulate(its, stops, profile, name, prefill=prefill).speedup
     gate_below = policy.info.gate_threshold if policy.info.gate else 0.0
     return replay.learned(
-        its, profile, stop_below=policy.info.threshold, gate_below=gate_below
+        its, profile, stop_below=policy.info.threshold, gate_below=gate_below, prefill=prefill
     ).speedup
 
 
@@ -575,10 +585,10 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             res.uniformity = uniformity_check(res.pit)
     ordered = [results[n] for n in arms]
     if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
-        data, profile = _replay_pass(pair, prompts, cfg)
+        data, profile, prefill = _replay_pass(pair, prompts, cfg)
         for res in ordered:
-            res.predicted = _predict(res.name, data, profile, cfg)
-        oracle = _predict("oracle", data, profile, cfg)
+            res.predicted = _predict(res.name, data, profile, prefill, cfg)
+        oracle = _predict("oracle", data, profile, prefill, cfg)
         ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
     machine = (
         f"{platform.machine()} {platform.processor() or ''}".strip()

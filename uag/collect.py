@@ -341,7 +341,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     from tqdm import tqdm
 
     import uag
-    from uag.latency import measure_profile
+    from uag.latency import measure_pair_profile
 
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     i, n = cfg.shard
@@ -362,13 +362,8 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
 
     meta = meta_path(cfg.out, cfg.shard)
     if not meta.exists() or cfg.reprofile:
-        profile = measure_profile(
-            target=pair.target_lm,
-            assistant=pair.assistant_lm,
-            target_tokenizer=pair.target.tokenizer,
-            assistant_tokenizer=pair.assistant.tokenizer,
-            max_candidates=cfg.max_lookahead + 1,
-            repeats=cfg.profile_repeats,
+        profile = measure_pair_profile(
+            pair, max_candidates=cfg.max_lookahead + 1, repeats=cfg.profile_repeats
         )
         record = {
             **run_settings(cfg),

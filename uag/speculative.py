@@ -71,6 +71,11 @@ class IterationRecord:
     steps: tuple[DraftStep, ...] = field(default=(), repr=False)
     recomputed: int = 0
     """Verified positions recomputed alone because of a near-tie (non-invariant kernels only)."""
+    first_draft_s: float = 0.0
+    """The round's first draft step alone: it also feeds the assistant the text it lags by
+    (catch-up rows; in the first drafting round, the whole prompt)."""
+    round_s: float = 0.0
+    """Wall time of the whole round: draft, verify and everything around them."""
     accept_probs: tuple[float, ...] = field(default=(), repr=False)
     """Sampling with ``keep_steps``: per drafted token, the probability given the drafts that
     it and every draft before it are accepted (``uag.sampling.expected_acceptance``)."""
@@ -312,7 +317,7 @@ def speculative_generate(
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
-        t0 = clock()
+        round_start = t0 = clock()
         a_text.sync(bridge, text)
         text_complete = ends_on_char_boundary(text)
         bridge_s = clock() - t0
@@ -333,7 +338,7 @@ def speculative_generate(
             budget = 0  # nothing new to feed: no fresh logits to draft from (rare)
         committed = a_text.count
         steps: list[DraftStep] = []
-        draft_s = 0.0
+        draft_s = first_draft_s = 0.0
         cum_logprob, min_prob = 0.0, 1.0
         for position in range(1, min(budget, room - 1) + 1):
             t0 = clock()
@@ -344,6 +349,8 @@ def speculative_generate(
             p1, p2 = float(top.values[0]), float(top.values[1])
             entropy = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
             draft_s += clock() - t0
+            if position == 1:
+                first_draft_s = draft_s
             if tok in assistant_eos:
                 break  # the assistant thinks the text ends here; the target decides that itself
             cum_logprob += math.log(max(p1, 1e-30))
@@ -430,6 +437,8 @@ def speculative_generate(
                 policy_s=policy_s,
                 steps=tuple(steps) if keep_steps else (),
                 recomputed=int(alone is not None),
+                first_draft_s=first_draft_s,
+                round_s=clock() - round_start,
             )
         )
         if hit_eos:
