@@ -277,6 +277,13 @@ def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
         assert uni is not None and uni.samples == by_name[name].tokens and uni.consistent
     greedy_uni = by_name["greedy"].uniformity
     assert greedy_uni is not None and not greedy_uni.consistent
+    # The excess log-probability, also without a reference: centred for exact arms, far above
+    # zero for the argmax.
+    for name in ("target-only", "static-2"):
+        excess = by_name[name].excess
+        assert excess is not None and excess.tokens == by_name[name].tokens and excess.consistent
+    greedy_excess = by_name["greedy"].excess
+    assert greedy_excess is not None and greedy_excess.z > 5 and not greedy_excess.consistent
     assert not by_name["greedy"].sound and by_name["target-only"].sound
     assert by_name["static-2"].drafted > 0
     row = {r["name"]: r for r in report.to_json()["policies"]}["static-2"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from uag.distribution import pit_value, uniformity_check
@@ -56,3 +57,37 @@ def test_an_impossible_token_fails():
     values = _pits(p, p, 200, 0) + [pit_value(p, 1, 0.5)]
     assert not uniformity_check(values).consistent
     assert not uniformity_check([]).consistent
+
+
+def _excess(sample_from: torch.Tensor, score_under: torch.Tensor, n: int, seed: int):
+    from uag.distribution import ExcessCheck, logprob_moments
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.multinomial(sample_from, n, replacement=True, generator=gen).tolist()
+    entropy, var = logprob_moments(score_under)
+    logs = [math.log(float(score_under[t])) if score_under[t] > 0 else -math.inf for t in tokens]
+    return ExcessCheck(tokens=n, excess=sum(x + entropy for x in logs), variance=n * var)
+
+
+def test_excess_logprob_is_centred_for_exact_draws_and_catches_a_rare_bad_token():
+    """The tail the PIT cannot see: 1 % of draws replaced by the least likely token moves the
+    mean log-probability enough for the z-test, while the PIT still passes."""
+    p = torch.softmax(torch.linspace(0.0, 12.0, 64, dtype=torch.float64), dim=0)
+    for seed in (0, 1):
+        exact = _excess(p, p, 5000, seed)
+        assert exact.consistent and abs(exact.z) < 3
+    rare = 0.99 * p + 0.01 * torch.nn.functional.one_hot(p.argmin(), len(p)).double()
+    bad = _excess(rare, p, 5000, 0)
+    assert not bad.consistent and bad.z < -5 and bad.mean < 0
+    assert uniformity_check(_pits(rare, p, 5000, 0)).consistent  # what the PIT misses
+    sharper = _excess(torch.softmax(torch.log(p) / 0.8, dim=0), p, 5000, 0)
+    assert not sharper.consistent and sharper.z > 0
+
+
+def test_logprob_moments_are_exact():
+    from uag.distribution import logprob_moments
+
+    p = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
+    entropy, var = logprob_moments(p)
+    assert entropy == pytest.approx(1.5 * math.log(2))
+    assert var == pytest.approx(0.5 * math.log(2) ** 2 + 0.5 * (2 * math.log(2)) ** 2 - entropy**2)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from uag.distribution import (
+    ExcessCheck,
     LogprobCheck,
     UniformityCheck,
     paired_check,
@@ -101,6 +102,10 @@ class PolicyResult:
     """Sampling: every generated token's PIT value under the target (``uag.distribution``)."""
     uniformity: UniformityCheck | None = None
     """Sampling: the KS test of ``pit`` against the uniform distribution."""
+    scored: list[tuple[float, float]] = field(default_factory=list)
+    """Sampling: per run, Σ (log p + H) and Σ Var log p over its tokens."""
+    excess: ExcessCheck | None = None
+    """Sampling: the z-test of the summed excess log-probability (``uag.distribution``)."""
     predicted: float | None = None
     """Replay's speed-up for this arm, from the long-lookahead pass over the same prompts and
     the latency profile measured in this run (None: not replayable, or no oracle pass)."""
@@ -117,7 +122,7 @@ class PolicyResult:
             return True
         if self.check is None:
             return self.identical
-        return self.check.consistent and (self.uniformity is None or self.uniformity.consistent)
+        return all(c is None or c.consistent for c in (self.check, self.uniformity, self.excess))
 
     def as_row(self) -> dict[str, Any]:
         sampled = self.check is not None
@@ -137,6 +142,15 @@ class PolicyResult:
                 "ks_statistic": _finite_or_none(self.uniformity.statistic, 5),
                 "p_value": round(self.uniformity.p_value, 5),
                 "consistent": self.uniformity.consistent,
+            },
+            "excess_logprob": None
+            if self.excess is None
+            else {
+                "tokens": self.excess.tokens,
+                "per_token": _finite_or_none(self.excess.mean, 5),
+                "z": _finite_or_none(self.excess.z, 3),
+                "consistent": self.excess.consistent,
+                "per_run": [[round(e, 4), round(v, 4)] for e, v in self.scored],
             },
             "tokens_per_target_forward": round(self.tokens / self.target_forwards, 4)
             if self.target_forwards
@@ -176,6 +190,8 @@ def _check_cell(p: PolicyResult) -> str:
     pit = ""
     if p.uniformity is not None:
         pit = f"PIT p {p.uniformity.p_value:.3f} over {p.uniformity.samples} tokens"
+    if p.excess is not None:
+        pit += f"; excess log p {p.excess.mean:+.4f} / token, z {p.excess.z:+.2f}"
     if p.name == "target-only":
         verdict = "yes" if p.sound else "**NO**"
         return f"{verdict}: reference; {pit}" if pit else "reference"
@@ -205,7 +221,9 @@ class BenchReport:
     def markdown(self) -> str:
         sampled = any(p.check is not None for p in self.policies)
         check = (
-            "same distribution (Δ log p / token, 95 %; PIT uniformity)" if sampled else "identical"
+            "same distribution (Δ log p / token, 95 %; PIT; excess log p)"
+            if sampled
+            else "identical"
         )
         lines = [
             f"| policy | speed-up vs target-only | 95 % interval | replay predicts | {check} | tokens / target forward | acceptance | controller time |",
@@ -563,6 +581,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                     )
                     results[name].logprobs.append(scored.mean_logprob)
                     results[name].pit.extend(scored.pit)
+                    results[name].scored.append((scored.excess, scored.variance))
             for name, run in runs.items():
                 res = results[name]
                 res.per_prompt_seconds[-1] += run.seconds
@@ -583,6 +602,11 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         if sampling is not None:
             res.check = paired_check(base.logprobs, res.logprobs)
             res.uniformity = uniformity_check(res.pit)
+            res.excess = ExcessCheck(
+                tokens=len(res.pit),
+                excess=sum(e for e, _ in res.scored),
+                variance=sum(v for _, v in res.scored),
+            )
     ordered = [results[n] for n in arms]
     if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
         data, profile, prefill = _replay_pass(pair, prompts, cfg)

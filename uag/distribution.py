@@ -19,6 +19,13 @@ exactly uniform on (0, 1). If every emitted token is drawn from the target's dis
 everything before it (what lossless sampling means), the ``u`` of all tokens of all runs are
 independent uniforms; a Kolmogorov–Smirnov test on them can fail for any distortion, in either
 direction: tokens the target ranks lower push ``u`` up, greedy-like rules push it down.
+
+The PIT is blind to the tail: a rule that emitted a near-impossible token once in a hundred
+would move ``u`` for 1 % of the tokens but the mean log-probability by a lot. A third check
+looks at exactly that, with no reference arm either: for a token drawn from ``p_t`` the excess
+``log p_t(x) + H(p_t)`` has mean zero and a variance known from ``p_t`` itself
+(``Var log p_t``), so their sum over every token of every run, divided by the square root of
+the summed variances, is a z-score (a martingale: each term has mean zero given the past).
 """
 
 from __future__ import annotations
@@ -132,6 +139,46 @@ def uniformity_check(values: Sequence[float]) -> UniformityCheck:
 
 
 @dataclass(frozen=True)
+class ExcessCheck:
+    """Summed ``log p(x) + H(p)`` over sampled tokens against its exact standard deviation."""
+
+    tokens: int
+    excess: float
+    """Σ (log p_t(x_t) + H(p_t)): zero on average for draws from the target (``-inf``: a token
+    it cannot produce)."""
+    variance: float
+    """Σ Var_{x ~ p_t}[log p_t(x)]."""
+
+    @property
+    def mean(self) -> float:
+        """Excess log-probability per token (negative: the samples are less probable)."""
+        return self.excess / self.tokens if self.tokens else 0.0
+
+    @property
+    def z(self) -> float:
+        if not math.isfinite(self.excess):
+            return -math.inf
+        return self.excess / math.sqrt(self.variance) if self.variance > 0 else 0.0
+
+    @property
+    def consistent(self) -> bool:
+        """|z| within the two-sided ``FLAG_P`` bound of the normal distribution."""
+        from scipy.stats import norm
+
+        return math.isfinite(self.z) and abs(self.z) <= float(norm.ppf(1 - FLAG_P / 2))
+
+
+def logprob_moments(probs: torch.Tensor) -> tuple[float, float]:
+    """``(H, Var log p)`` of ``probs`` ([V]): the mean of ``-log p(x)`` and the variance of
+    ``log p(x)`` for ``x ~ probs``."""
+    p = probs[probs > 0]
+    logp = torch.log(p)
+    entropy = float(-(p * logp).sum())
+    second = float((p * logp * logp).sum())
+    return entropy, max(second - entropy * entropy, 0.0)
+
+
+@dataclass(frozen=True)
 class ScoredRun:
     """A sampled run under the target's processed distribution."""
 
@@ -139,6 +186,10 @@ class ScoredRun:
     """Mean log p per generated token (``-inf``: a token the target cannot produce)."""
     pit: tuple[float, ...]
     """One PIT value per generated token (``pit_value``)."""
+    excess: float = 0.0
+    """Σ (log p(x) + H(p)) over the run's tokens (``ExcessCheck``)."""
+    variance: float = 0.0
+    """Σ Var log p over the run's tokens."""
 
 
 @torch.inference_mode()
@@ -156,14 +207,20 @@ def score_run(
     if not new_ids:
         return ScoredRun(mean_logprob=math.nan, pit=())
     gen = torch.Generator().manual_seed(seed)
-    total, pit = 0.0, []
+    total, excess, variance, pit = 0.0, 0.0, 0.0, []
     for row, token in zip(_target_rows(pair, prompt_ids, new_ids), new_ids, strict=True):
         probs = processed_probs(row[None], sampling)[0]
         p = float(probs[token])
-        total += math.log(p) if p > 0 else -math.inf
+        logp = math.log(p) if p > 0 else -math.inf
+        entropy, var = logprob_moments(probs)
+        total += logp
+        excess += logp + entropy
+        variance += var
         u = float(torch.rand((), generator=gen, dtype=torch.float64))
         pit.append(pit_value(probs, token, u))
-    return ScoredRun(mean_logprob=total / len(new_ids), pit=tuple(pit))
+    return ScoredRun(
+        mean_logprob=total / len(new_ids), pit=tuple(pit), excess=excess, variance=variance
+    )
 
 
 def _target_rows(pair: Any, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> torch.Tensor:
