@@ -10,7 +10,9 @@ travel with the collected data and the exported controller.
 Measured as the loop meets them, not in isolation: in the loop a draft step follows a target
 pass and a verify follows draft steps, each evicting the other model's data from the caches, so
 every timed draft is preceded by an untimed target pass and every timed verify by an untimed
-draft step (back to back, both measured 7-10 % cheaper than the loop paid). The target-alone
+draft step (in collected runs the loop paid 7-10 % more than back-to-back timings). Every
+operation is timed once per round with the order rotated, so drift spreads evenly (timed in
+blocks, later candidate counts read up to 30 % high). The target-alone
 step is measured back to back, as target-alone decoding runs. What the isolated forwards leave
 out (the round's bookkeeping, and the catch-up rows the first draft of a round feeds) is taken
 from a short real run of the loop (``measure_loop``).
@@ -119,24 +121,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(
-    fn: Any, repeats: int, device: torch.device, *, before: Any | None = None
-) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after a warm-up; ``before`` (untimed)
-    runs ahead of each call, to leave the caches as the loop leaves them."""
-    times = []
-    for i in range(repeats + 1):
-        if before is not None:
-            before()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        if i > 0:  # the first call is a warm-up
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_profile(
     *,
     target: CachedLM,
@@ -144,7 +128,7 @@ def measure_profile(
     target_tokenizer: Any,
     assistant_tokenizer: Any,
     max_candidates: int,
-    repeats: int = 5,
+    repeats: int = 7,
 ) -> LatencyProfile:
     """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models."""
     target_ids = text_ids(target_tokenizer, PROFILE_CONTEXT + max_candidates + 1)
@@ -167,12 +151,27 @@ def measure_profile(
     target.reset(target_ids[:PROFILE_CONTEXT], rollback=True)
     target.forward()
     device = target.device
-    draft_s = _median_time(draft, repeats, device, before=lambda: verify(0))
-    verify_s = [
-        _median_time(lambda m=m: verify(m), repeats, device, before=draft)
-        for m in range(max_candidates + 1)
-    ]
-    step_s = _median_time(lambda: verify(0), repeats, device)
+    # Every operation once per round, the order rotated each round (drift over the run spreads
+    # over all of them instead of biasing the last ones); each timed call after its untimed
+    # predecessor: the other model's step in the loop, the same step back to back for the
+    # target-alone step.
+    ops: list[tuple[str, Any, Any]] = [("draft", draft, lambda: verify(0))]
+    ops += [(f"verify{m}", lambda m=m: verify(m), draft) for m in range(max_candidates + 1)]
+    ops += [("step", lambda: verify(0), lambda: verify(0))]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in ops}
+    for i in range(repeats + 1):
+        shift = i % len(ops)
+        for name, fn, before in ops[shift:] + ops[:shift]:
+            before()
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i > 0:  # round 0 warms every operation up
+                times[name].append(time.perf_counter() - start)
+    draft_s = statistics.median(times["draft"])
+    verify_s = [statistics.median(times[f"verify{m}"]) for m in range(max_candidates + 1)]
+    step_s = statistics.median(times["step"])
     return LatencyProfile(
         device=describe_device(device), draft_s=draft_s, verify_s=verify_s, step_s=step_s
     )
@@ -204,7 +203,7 @@ def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> Lat
     return replace(profile, round_s=round_s, catchup_s=catchup_s)
 
 
-def measure_pair_profile(pair: Any, *, max_candidates: int, repeats: int = 5) -> LatencyProfile:
+def measure_pair_profile(pair: Any, *, max_candidates: int, repeats: int = 7) -> LatencyProfile:
     """The full profile of a loaded pair: isolated prices (``measure_profile``) and the loop's
     own overheads (``measure_loop``)."""
     profile = measure_profile(
