@@ -421,3 +421,77 @@ def test_guard_recomputes_forced_near_ties(tokenizers):
     lm.row_invariant = True  # claim invariance falsely: the guard is off, and the output breaks
     unguarded = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40)
     assert unguarded.token_ids != ref.token_ids
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(48, 64), (264, 576), (8, 32)])
+def test_q4_holds_q4_1_weights_exactly_and_stays_close(shape):
+    """A Q4_1-like weight (SmolLM2's GGUF) is held as 4-bit blocks that reproduce every weight;
+    the product with int8 activations per block of 32 is close to F.linear and row invariant."""
+    out, width = shape
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    linear = nn.Linear(width, out)
+    with torch.no_grad():
+        linear.weight.copy_(native.q4_like_weight(out, width, generator=gen))
+    layer = native.NativeLinear(linear, int8=True, dynamic=True, q4=True)
+    assert layer.q4 and "4-bit" in repr(layer)
+    torch.testing.assert_close(layer.dequantized(), linear.weight.detach(), rtol=0, atol=1e-6)
+    x = torch.randn(11, width, generator=gen)
+    full = layer(x)
+    ref = linear(x)
+    assert (full - ref).norm() < 0.01 * ref.norm()  # 8-bit activations per block of 32
+    rows = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(rows, full)
+    assert torch.equal(layer(x[3:9]), full[3:9])
+
+
+@needs_native
+def test_q4_avx2_and_vnni_paths_give_the_same_bits():
+    gen = torch.Generator().manual_seed(2)
+    linear = nn.Linear(96, 40)
+    with torch.no_grad():
+        linear.weight.copy_(native.q4_like_weight(40, 96, generator=gen))
+    layer = native.NativeLinear(linear, int8=True, dynamic=True, q4=True)
+    x = torch.randn(6, 96, generator=gen)
+    lib = layer.lib
+    try:
+        lib.uag_q4_set_vnni(0)
+        plain = layer(x)
+        vnni = lib.uag_q4_set_vnni(1)
+        assert torch.equal(layer(x), plain)
+    finally:
+        lib.uag_q4_set_vnni(1)
+    if not vnni:
+        pytest.skip("this CPU has no AVX-VNNI: only the AVX2 path ran")
+
+
+@needs_native
+def test_q4_refuses_weights_off_the_grid_and_falls_back_to_int8():
+    torch.manual_seed(0)
+    layer = native.NativeLinear(nn.Linear(64, 16), int8=True, dynamic=True, q4=True)
+    assert not layer.q4 and "int8 dynamic" in repr(layer)
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(64, 16)
+    with torch.no_grad():
+        linear.weight.copy_(native.q4_like_weight(16, 64, generator=gen))
+        linear.weight[5, 40] += 1e-3  # one weight between two levels of its block
+    assert not native.NativeLinear(linear, int8=True, dynamic=True, q4=True).q4
+
+
+@needs_native
+def test_fused_q4_linears_equal_their_parts_bitwise():
+    gen = torch.Generator().manual_seed(4)
+    parts = []
+    for n in (24, 8, 16):
+        linear = nn.Linear(64, n, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(native.q4_like_weight(n, 64, generator=gen))
+        parts.append(native.NativeLinear(linear, int8=True, dynamic=True, q4=True))
+    x = torch.randn(5, 64, generator=gen)
+    before = [p(x) for p in parts]
+    fused = native.fuse(parts)
+    assert fused is not None and fused.q4
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    for p, expected in zip(parts, before, strict=True):
+        assert torch.equal(p(x), expected)

@@ -257,3 +257,29 @@ def test_bad_api_input(cross):
         uag.generate(cross, "", max_new_tokens=3)
     with pytest.raises(UagError, match="lookahead"):
         StaticPolicy(k=0)
+
+
+@pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
+def test_native_layers_run_a_q4_assistant(tokenizers):
+    """An assistant whose weights lie on Q4_1's grid (SmolLM2's GGUF) runs its body on ``q4.c``
+    inside ``layer.c`` (kind 5): the same as the lean torch path over the same linears, and each
+    row's logits bitwise the same whatever the chunking."""
+    vocab = len(tokenizers[0])
+    model = tiny_llama(vocab)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for lin in model.model.layers.modules():
+            if isinstance(lin, torch.nn.Linear):
+                lin.weight.copy_(native.q4_like_weight(*lin.weight.shape, generator=gen))
+    kernels.quantize_int8(model, backend="native")
+    held = [m for m in model.modules() if isinstance(m, native.NativeLinear)]
+    assert sum(m.q4 for m in held) == 2 * 7  # q, k, v, o, gate, up, down per layer; head int8
+    fast, torch_path = CachedLM(model), CachedLM(model)
+    torch_path.lean.native = None
+    assert fast.lean.native is not None
+    ids = torch.randint(3, vocab, (90,), generator=gen).tolist()
+    feed_both_and_compare(
+        fast, torch_path, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=1e-4
+    )
+    alone, chunked = one_row_vs_chunked_logits(fast, ids[:10], ids[10:60])
+    assert torch.equal(alone, chunked)

@@ -473,7 +473,7 @@ def quantize_int8(model: Any, *, backend: str | None = None) -> Any:
         from uag.native import NativeLinear
 
         make: Callable[[nn.Linear], nn.Module] = functools.partial(
-            NativeLinear, int8=True, dynamic=True
+            NativeLinear, int8=True, dynamic=True, q4=True
         )
     else:
         make = _FbgemmLinear if kind == "fbgemm" else _Int8PackLinear

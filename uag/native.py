@@ -47,6 +47,7 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "layer.c",  # a whole decoder layer around them
     Path(__file__).parent / "csrc" / "screen.c",  # candidates of the exact greedy head
     Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
+    Path(__file__).parent / "csrc" / "q4.c",  # 4-bit weights x int8 activations (approximate)
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16
@@ -103,6 +104,10 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.uag_linear_f32, lib.uag_linear_i8, lib.uag_linear_b8, lib.uag_linear_a8):
         fn.restype = None
         fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
+    lib.uag_linear_q4.restype = None
+    lib.uag_linear_q4.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
+    lib.uag_q4_set_vnni.restype = i64
+    lib.uag_q4_set_vnni.argtypes = [i64]
     lib.uag_linear_q8.restype = None
     lib.uag_linear_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64, p, p, i64, p]
     lib.uag_decoder_layer.restype = None
@@ -167,6 +172,34 @@ def _self_test(lib: ctypes.CDLL) -> str | None:
         return "the native dynamic int8 kernel disagrees with F.linear here"
     if not _invariant(dynamic, x, full):
         return "the native dynamic int8 kernel is not row-count invariant here"
+    return _q4_self_test(lib, gen)
+
+
+def q4_like_weight(out: int, width: int, *, generator: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF's Q4_1 de-quantises: per block of 32, ``d · q + m`` with fp16 ``d`` and
+    ``m`` and q in 0..15, each block's extremes at q = 0 and 15 (as Q4_1's quantiser puts them)."""
+    q = torch.randint(0, Q4_LEVELS + 1, (out, width // BLOCK_K, BLOCK_K), generator=generator)
+    q[..., 0], q[..., 1] = 0, Q4_LEVELS
+    d = (torch.rand(out, width // BLOCK_K, 1, generator=generator) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(out, width // BLOCK_K, 1, generator=generator) * 0.2).half().float()
+    return (d * q.float() + m).reshape(out, width)
+
+
+def _q4_self_test(lib: ctypes.CDLL, gen: torch.Generator) -> str | None:
+    """The 4-bit kernel: close to ``F.linear`` on its own weights, row-count invariant."""
+    linear = nn.Linear(64, 24)
+    with torch.no_grad():
+        linear.weight.copy_(q4_like_weight(24, 64, generator=gen))
+    x = torch.randn(7, 64, generator=gen)
+    layer = NativeLinear(linear, int8=True, dynamic=True, q4=True, lib=lib)
+    if not layer.q4:
+        return "the 4-bit grid search missed a Q4_1-like weight"
+    full = layer(x)
+    ref = F.linear(x, layer.dequantized(), linear.bias)
+    if (full - ref).norm() > 0.02 * ref.norm():
+        return "the native 4-bit kernel disagrees with F.linear here"
+    if not _invariant(layer, x, full):
+        return "the native 4-bit kernel is not row-count invariant here"
     return None
 
 
@@ -297,6 +330,52 @@ def block_affine(
     return (q, params) if found else None
 
 
+Q4_LEVELS = 15
+"""Steps of a 4-bit block (``q4_grid``): q in 0..15, as GGUF's Q4_1."""
+
+
+def q4_grid(
+    weight: torch.Tensor, *, tolerance: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(packed uint8 [N/8, K/32, 128], params fp32 [N/8, K/32, 2, 8])`` for ``q4.c`` when every
+    block of 32 weights of each output lies on a 16-level grid (``d · q + m``, q in 0..15, to
+    ``tolerance`` of a step), else None.
+
+    Why only then: a model de-quantised from GGUF's Q4_1 (SmolLM2's file) holds exactly such
+    blocks, so 4 bits per weight are the model's own weights, read at 0.625 bytes per weight
+    instead of int8's 1 (the assistant's draft step is bound by those bytes). Rounding another
+    model's weights to 4 bits would change the assistant more than int8 does, so such a matrix
+    stays on ``q8.c``. The grid is each block's minimum and (maximum − minimum) / 15: Q4_1's
+    quantiser puts the block's extremes at q = 0 and q = 15.
+    """
+    out, width = weight.shape
+    if width % BLOCK_K or out % BLOCK_ROWS or weight.dtype != torch.float32:
+        return None
+    blocks = width // BLOCK_K
+    packed = torch.empty(out // BLOCK_ROWS, blocks, BLOCK_ROWS * BLOCK_K // 2, dtype=torch.uint8)
+    params = torch.empty(out // BLOCK_ROWS, blocks, 2, BLOCK_ROWS)
+    for start in range(0, out, CHUNK_ROWS):
+        w = weight[start : start + CHUNK_ROWS].reshape(-1, blocks, BLOCK_K)
+        low, high = w.amin(dim=2), w.amax(dim=2)
+        step = (high - low) / Q4_LEVELS
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        q = torch.round((w - low[..., None]) / safe[..., None]).clamp_(0, Q4_LEVELS)
+        err = (low[..., None] + step[..., None] * q - w).abs()
+        if bool((err > tolerance * safe[..., None] + 1e-30).any()):
+            return None
+        tiles = w.shape[0] // BLOCK_ROWS
+        first = start // BLOCK_ROWS
+        # [tile, j, b, v, half, i] -> [tile, b, v, j, i, half]: byte 4j + i of vector v holds
+        # input 8v + i (low nibble) and 8v + 4 + i (high nibble) of output j (see q4.c).
+        nib = q.to(torch.uint8).view(tiles, BLOCK_ROWS, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        packed[first : first + tiles] = (nib[..., 0] | (nib[..., 1] << 4)).reshape(
+            tiles, blocks, -1
+        )
+        both = torch.stack([step, low], dim=-1).view(tiles, BLOCK_ROWS, blocks, 2)
+        params[first : first + tiles] = both.permute(0, 2, 3, 1)
+    return packed, params
+
+
 def symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` rounded to int8 with one scale per output row (symmetric): ``(q, scales)``."""
     weight = weight.float()
@@ -319,6 +398,7 @@ class NativeLinear(nn.Module):
         int8: bool = False,
         dynamic: bool = False,
         exact_blocks: bool = True,
+        q4: bool = False,
         lib: ctypes.CDLL | None = None,
     ) -> None:
         super().__init__()
@@ -327,7 +407,11 @@ class NativeLinear(nn.Module):
             raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
         if dynamic and not int8:
             raise ValueError("dynamic (int8 activations) needs int8 weights")
+        if q4 and not dynamic:
+            raise ValueError("q4 (4-bit weights) runs with int8 activations: needs dynamic")
         weight = linear.weight.detach()
+        self.q4 = False
+        """Held as 4-bit blocks (``q4_grid``, ``q4.c``): the weights lie on such a grid."""
         self.block_scales: torch.Tensor = torch.empty(0)
         """Exact block storage's parameters (``block_int8``: scales ``[N/8, K/32, 8]``;
         ``block_affine``: scales and bases ``[N/8, K/16, 2, 8]``); empty: none."""
@@ -340,6 +424,11 @@ class NativeLinear(nn.Module):
                 if found is not None:
                     self._init_blocked(linear, *found, exact_format=name)
                     return
+        if q4:
+            grid = q4_grid(weight.float())
+            if grid is not None:
+                self._init_q4(linear, *grid)
+                return
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.k_step = Q8_K_STEP if dynamic else K_STEP
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
@@ -407,6 +496,22 @@ class NativeLinear(nn.Module):
         )
         self.invariance = "invariant"
 
+    def _init_q4(self, linear: nn.Linear, packed: torch.Tensor, params: torch.Tensor) -> None:
+        """Store the 4-bit blocks and their parameters (``q4.c``'s layout)."""
+        assert self.lib is not None
+        self.q4, self.exact_format = True, ""
+        self.out_features, self.in_features = (int(d) for d in linear.weight.shape)
+        self.k_step, self.int8, self.dynamic = Q8_K_STEP, True, True
+        self.padded_out, self.padded_in = self.out_features, self.in_features
+        self.register_buffer("weight_ilv", packed)
+        self.block_scales = params
+        self.register_buffer("scales", torch.ones(self.padded_out))
+        self.register_buffer("wsum", torch.zeros(self.padded_out, dtype=torch.int32))
+        bias = linear.bias
+        self.bias_padded = None if bias is None else bias.detach().float().clone()
+        self._fn = self.lib.uag_linear_q4
+        self.invariance = "invariant"
+
     @property
     def blocked(self) -> bool:
         """Weights held in blocks equal to the fp32 ones (bitwise fp32 results)."""
@@ -433,7 +538,14 @@ class NativeLinear(nn.Module):
             rows = rows.contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.padded_out)
-        if self.dynamic:
+        if self.q4:
+            self._fn(
+                rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
+                self.block_scales.data_ptr(), self.padded_out,
+                None if self.bias_padded is None else self.bias_padded.data_ptr(),
+                y.data_ptr(), self.padded_out,
+            )  # fmt: skip
+        elif self.dynamic:
             self.product_q8(rows, y)
         else:
             self._fn(
@@ -470,7 +582,7 @@ class NativeLinear(nn.Module):
         ``bound`` receives the per-row error bound, ``exact`` = (``xo [M, O]``, ``wo``
         interleaved ``[N/8, O, 8, 1]`` fp32) adds channels computed in fp32 (see ``q8.c``)."""
         xo, wo = exact if exact is not None else (None, None)
-        assert self.lib is not None and self.dynamic
+        assert self.lib is not None and self.dynamic and not self.q4
         self.lib.uag_linear_q8(
             rows.data_ptr(), self.padded_in, rows.shape[0], self.padded_in,
             self.weight_ilv.data_ptr(), self.scales.data_ptr(), self.wsum.data_ptr(),
@@ -484,6 +596,13 @@ class NativeLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, ``[out, in]`` fp32 (tests, tied embeddings)."""
+        if self.q4:
+            tiles, blocks = self.weight_ilv.shape[:2]
+            raw = self.weight_ilv.view(tiles, blocks, 4, BLOCK_ROWS, 4)  # [tile, b, v, j, i]
+            nib = torch.stack([raw & 15, raw >> 4], dim=-1)  # [tile, b, v, j, i, half]
+            q = nib.permute(0, 3, 1, 2, 5, 4).reshape(tiles * BLOCK_ROWS, blocks, BLOCK_K)
+            p = self.block_scales.permute(0, 3, 1, 2).reshape(tiles * BLOCK_ROWS, blocks, 2)
+            return (p[..., 1:] + p[..., :1] * q.float()).reshape(self.out_features, -1)
         blocks, steps = self.weight_ilv.shape[:2]
         w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * self.k_step)
         w = w[: self.out_features, : self.in_features].float()
@@ -499,7 +618,9 @@ class NativeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = (
-            "int8 dynamic"
+            "4-bit blocks x int8 dynamic"
+            if self.q4
+            else "int8 dynamic"
             if self.dynamic
             else "int8 weight-only"
             if self.int8
@@ -526,6 +647,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     first = layers[0]
     compatible = all(
         p.in_features == first.in_features
+        and p.q4 == first.q4
         and p.int8 == first.int8
         and p.dynamic == first.dynamic
         and p.lib is first.lib
@@ -539,14 +661,14 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     nn.Module.__init__(fused)
     fused.lib, fused.int8, fused._fn = first.lib, first.int8, first._fn
     fused.exact_format = first.exact_format
-    fused.dynamic, fused.k_step = first.dynamic, first.k_step
+    fused.dynamic, fused.k_step, fused.q4 = first.dynamic, first.k_step, first.q4
     fused.in_features, fused.padded_in = first.in_features, first.padded_in
     fused.out_features = fused.padded_out = sum(p.out_features for p in layers)
     fused.register_buffer("weight_ilv", torch.cat([p.weight_ilv for p in layers]))
     fused.register_buffer("scales", torch.cat([p.scales for p in layers]))
     fused.register_buffer("wsum", torch.cat([p.wsum for p in layers]))
     fused.block_scales = (
-        torch.cat([p.block_scales for p in layers]) if first.blocked else torch.empty(0)
+        torch.cat([p.block_scales for p in layers]) if first.blocked or first.q4 else torch.empty(0)
     )
     biases = [p.bias_padded for p in layers]
     fused.bias_padded = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
@@ -557,7 +679,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
         p.weight_ilv = fused.weight_ilv[start : start + blocks]
         p.scales = fused.scales[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]
         p.wsum = fused.wsum[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]
-        if first.blocked:
+        if first.blocked or first.q4:
             p.block_scales = fused.block_scales[start : start + blocks]
         if fused.bias_padded is not None:
             p.bias_padded = fused.bias_padded[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]

@@ -70,15 +70,17 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
     return _Linear(
         layer.weight_ilv.data_ptr(),
         layer.block_scales.data_ptr()
-        if layer.blocked
+        if layer.blocked or layer.q4
         else layer.scales.data_ptr()
         if layer.int8
         else None,
-        layer.wsum.data_ptr() if layer.dynamic else None,
+        layer.wsum.data_ptr() if layer.dynamic and not layer.q4 else None,
         None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
         layer.in_features,
         layer.out_features,
-        {"block_int8": 3, "block_affine": 4}.get(
+        5
+        if layer.q4
+        else {"block_int8": 3, "block_affine": 4}.get(
             layer.exact_format, 2 if layer.dynamic else int(layer.int8)
         ),
     )

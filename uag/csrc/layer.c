@@ -26,17 +26,20 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                    const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
                    int64_t O, const float *wo);
+void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
+                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy);
 
 typedef struct {
     const void *weight; /* interleaved (skinny.c) */
     const float *scale; /* int8: one per output; block int8: [out/8][in/32][8]; block affine:
-                           [out/8][in/16][2][8]; else NULL */
+                           [out/8][in/16][2][8]; q4: [out/8][in/32][2][8]; else NULL */
     const int32_t *wsum; /* dynamic int8: each output's sum of int8 weights; else NULL */
     const float *bias;  /* or NULL */
     int64_t in, out;    /* out: a multiple of 8 (the kernels' layout) */
     int64_t kind;       /* 0 fp32, 1 int8 weight-only (skinny.c), 2 dynamic int8 (q8.c),
                            3 block-scaled int8 equal to the fp32 weight (skinny.c),
-                           4 block-affine uint8 equal to the fp32 weight (skinny.c) */
+                           4 block-affine uint8 equal to the fp32 weight (skinny.c),
+                           5 4-bit weights x int8 activations (q4.c) */
 } uag_linear_t;
 
 typedef struct {
@@ -54,7 +57,10 @@ typedef struct {
 } uag_scratch_t;
 
 static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y) {
-    if (l->kind == 2)
+    if (l->kind == 5)
+        uag_linear_q4(x, l->in, rows, l->in, (const uint8_t *)l->weight, l->scale, l->out, l->bias,
+                      y, l->out);
+    else if (l->kind == 2)
         uag_linear_q8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->wsum, l->out,
                       l->bias, y, l->out, 1, NULL, NULL, 0, NULL);
     else if (l->kind == 3)

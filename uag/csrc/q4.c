@@ -1,0 +1,177 @@
+/* 4-bit weights times int8 activations, for the assistant (approximate by design).
+ *
+ * Why: the assistant's draft step reads every weight once per token, so its cost is the bytes
+ * it reads. SmolLM2-135M ships as GGUF Q4_1 (each block of 32 weights is d * q + m, q in 0..15):
+ * held as q8.c's int8 per output row it reads 1 byte per weight; held as Q4_1 again it reads
+ * 0.625 (16 bytes of nibbles plus a scale and a minimum per 32 weights), and for a model that
+ * came from Q4_1 the weights are the file's own.
+ *
+ * Activations: each block of 32 inputs of a row becomes int8 (symmetric, -127..127) with its
+ * own scale sx (llama.cpp's Q8_1), and xs = sx * sum(xq) carries the block's sum for the
+ * minimum term:
+ *   y[m, n] = sum_b d[n, b] * sx[m, b] * sum_k q[n, k] xq[m, k] + m[n, b] * xs[m, b] (+ bias)
+ * vpmaddubsw multiplies the unsigned nibbles by the signed activations into int16 pairs that
+ * cannot overflow (2 * 15 * 127), vpmaddwd widens them to int32: exact integer sums per block,
+ * then one float multiply-add per block and output. Every row is computed on its own.
+ *
+ * Weight layout, per tile of 8 outputs and block of 32 inputs: 128 bytes, four 32-byte vectors;
+ * vector v's byte 4 * j + i holds output j's input 8v + i in its low nibble and 8v + 4 + i in
+ * its high nibble. Parameters per tile and block: d[8] then m[8] (floats).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8 /* outputs per tile */
+#define QB 32   /* inputs per block */
+#define MAX_MB 4
+
+/* One row's block b: x[0..32) -> xq (int8), returns its scale; *sum = scale * sum(xq). */
+static float quantize_block(const float *x, int8_t *xq, float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 top = _mm256_setzero_ps();
+    for (int k = 0; k < QB; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = top[i] > amax ? top[i] : amax;
+    const float s = amax / 127.0f;
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i total = _mm256_setzero_si256();
+    for (int k = 0; k < QB; k += 8) {
+        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i i32 = _mm256_cvtps_epi32(q); /* |q| <= 127 by construction */
+        total = _mm256_add_epi32(total, i32);
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64((__m128i *)(xq + k), _mm_packs_epi16(i16, i16));
+    }
+    int32_t n = 0;
+    for (int i = 0; i < 8; i++) n += ((int32_t *)&total)[i];
+    *sum = s * (float)n;
+    return s;
+}
+
+/* Rows [0, mb) of xq against one tile (8 outputs) over all blocks; float sums into out[i].
+ * DOT(acc, lo, a, hi, c) adds lo.a + hi.c (u8 x s8, four products per int32 lane) into acc. */
+#define TILE(NAME, ATTR, DOT)                                                                     \
+    static inline ATTR void NAME(const int8_t *xq, const float *sx, const float *xs, int64_t Kb, \
+                                 const int mb, const uint8_t *w, const float *p, __m256 *out) {  \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                               \
+        __m256 facc[MAX_MB];                                                                      \
+        _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) facc[i] = _mm256_setzero_ps();      \
+        for (int64_t b = 0; b < Kb; b++) {                                                        \
+            const uint8_t *wb = w + b * (LANES * QB / 2);                                         \
+            _mm_prefetch((const char *)wb + 1024, _MM_HINT_T0);                                  \
+            _mm_prefetch((const char *)wb + 1024 + 64, _MM_HINT_T0);                             \
+            __m256i iacc[MAX_MB];                                                                 \
+            _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) iacc[i] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) {                                \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + v * 32));           \
+                const __m256i lo = _mm256_and_si256(raw, low);                                    \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);              \
+                _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) {                           \
+                    int32_t a, c;                                                                 \
+                    memcpy(&a, xq + i * Kb * QB + b * QB + v * 8, 4);                             \
+                    memcpy(&c, xq + i * Kb * QB + b * QB + v * 8 + 4, 4);                         \
+                    iacc[i] = DOT(iacc[i], lo, _mm256_set1_epi32(a), hi, _mm256_set1_epi32(c));   \
+                }                                                                                 \
+            }                                                                                     \
+            const __m256 d = _mm256_loadu_ps(p + b * 2 * LANES);                                  \
+            const __m256 m = _mm256_loadu_ps(p + b * 2 * LANES + LANES);                          \
+            _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) {                               \
+                const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(sx[i * Kb + b]));           \
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), scaled, facc[i]);          \
+                facc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * Kb + b]), facc[i]);            \
+            }                                                                                     \
+        }                                                                                         \
+        _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) out[i] = facc[i];                   \
+    }
+
+/* AVX2: vpmaddubsw into int16 pairs (two of them added before widening: 2 * 2 * 15 * 127 <
+ * 32768, no saturation), vpmaddwd to int32. */
+static inline __attribute__((always_inline)) __m256i dot_avx2(__m256i acc, __m256i lo, __m256i a,
+                                                              __m256i hi, __m256i c) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a), _mm256_maddubs_epi16(hi, c));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+TILE(tile_avx2, __attribute__((always_inline)), dot_avx2)
+
+/* AVX-VNNI (where the CPU has it, checked at run time): vpdpbusd does the same sums in one
+ * instruction per operand pair, exactly (int32 accumulation). */
+#define VNNI __attribute__((target("avx2,fma,avxvnni")))
+static inline __attribute__((always_inline)) VNNI __m256i dot_vnni(__m256i acc, __m256i lo,
+                                                                   __m256i a, __m256i hi, __m256i c) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, a), hi, c);
+}
+TILE(tile_vnni, VNNI __attribute__((always_inline)), dot_vnni)
+
+#define CASE(FN, MB) case MB: FN(xq, sx, xs, Kb, MB, w, p, out); break;
+static void dispatch_avx2(const int8_t *xq, const float *sx, const float *xs, int64_t Kb, int mb,
+                          const uint8_t *w, const float *p, __m256 *out) {
+    switch (mb) {
+        CASE(tile_avx2, 1) CASE(tile_avx2, 2) CASE(tile_avx2, 3) CASE(tile_avx2, 4)
+        default: abort();
+    }
+}
+static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *xs, int64_t Kb,
+                               int mb, const uint8_t *w, const float *p, __m256 *out) {
+    switch (mb) {
+        CASE(tile_vnni, 1) CASE(tile_vnni, 2) CASE(tile_vnni, 3) CASE(tile_vnni, 4)
+        default: abort();
+    }
+}
+
+static int vnni_state = -1; /* -1: not decided yet */
+
+/* 1 where the CPU has AVX-VNNI (and the tests have not turned it off), else 0. */
+static int use_vnni(void) {
+    if (vnni_state < 0) {
+        __builtin_cpu_init();
+        vnni_state = __builtin_cpu_supports("avxvnni") != 0;
+    }
+    return vnni_state;
+}
+
+/* Tests: use VNNI where the CPU has it (want 1) or the AVX2 path (want 0); returns the path now
+ * in use (1 VNNI). Both must give the same bits. */
+int64_t uag_q4_set_vnni(int64_t want) {
+    vnni_state = -1;
+    vnni_state = want && use_vnni();
+    return vnni_state;
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the Q4_1 weight (K, N multiples of
+ * 32 and 8), plus bias. Both instruction paths give the same exact integer sums, so the same
+ * floats. */
+void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
+                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
+    const int64_t Kb = K / QB, tiles = N / LANES;
+    const int vnni = use_vnni();
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < Kb; b++)
+            sx[m * Kb + b] = quantize_block(x + m * ldx + b * QB, xq + m * K + b * QB, xs + m * Kb + b);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * Kb * (LANES * QB / 2);
+        const float *pt = params + t * Kb * 2 * LANES;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
+            const int mb = (int)(M - m0 < MAX_MB ? M - m0 : MAX_MB);
+            __m256 out[MAX_MB];
+            if (vnni)
+                dispatch_vnni(xq + m0 * K, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
+            else
+                dispatch_avx2(xq + m0 * K, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
+            for (int i = 0; i < mb; i++) {
+                __m256 v = out[i];
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + t * LANES));
+                _mm256_storeu_ps(y + (m0 + i) * ldy + t * LANES, v);
+            }
+        }
+    }
+    free(xq), free(sx), free(xs);
+}
