@@ -78,9 +78,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--assistant-int8",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="int8 for the assistant's linear layers (CPU; int8 weights times 7-bit activations "
-        "quantised per row at run time): cheaper drafts, same output (default: as a "
-        "--controller was trained, else off)",
+        help="int8 activations for the assistant's linear layers (CPU, native kernels: weights "
+        "that lie on GGUF Q4_1's grid, as SmolLM2's do, stay 4-bit; others int8 per row): "
+        "cheaper drafts, same output (default: as a --controller was trained, else off)",
     )
     p.add_argument(
         "--kernels",

@@ -464,8 +464,9 @@ def quantize_int8(model: Any, *, backend: str | None = None) -> Any:
 
     A cheaper assistant: only the target decides the output, so the assistant's precision never
     changes what is generated. A tied embedding stays fp32; only the head's product is int8.
-    ``backend``: ``native`` (int8 weights and per-row 7-bit activations on ``uag.native``'s
-    ``q8.c``), ``fbgemm`` or ``int8pack``;
+    ``backend``: ``native`` (weights on GGUF Q4_1's grid as 4-bit blocks times int8 activations
+    per block, ``q4.c``; other weights int8 times per-row 7-bit activations, ``q8.c``),
+    ``fbgemm`` or ``int8pack``;
     default ``int8_backend()``.
     """
     kind = backend or int8_backend()

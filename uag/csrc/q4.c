@@ -123,24 +123,7 @@ static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *x
     }
 }
 
-static int vnni_state = -1; /* -1: not decided yet */
-
-/* 1 where the CPU has AVX-VNNI (and the tests have not turned it off), else 0. */
-static int use_vnni(void) {
-    if (vnni_state < 0) {
-        __builtin_cpu_init();
-        vnni_state = __builtin_cpu_supports("avxvnni") != 0;
-    }
-    return vnni_state;
-}
-
-/* Tests: use VNNI where the CPU has it (want 1) or the AVX2 path (want 0); returns the path now
- * in use (1 VNNI). Both must give the same bits. */
-int64_t uag_q4_set_vnni(int64_t want) {
-    vnni_state = -1;
-    vnni_state = want && use_vnni();
-    return vnni_state;
-}
+int uag_use_vnni(void); /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the Q4_1 weight (K, N multiples of
  * 32 and 8), plus bias. Both instruction paths give the same exact integer sums, so the same
@@ -148,7 +131,7 @@ int64_t uag_q4_set_vnni(int64_t want) {
 void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
     const int64_t Kb = K / QB, tiles = N / LANES;
-    const int vnni = use_vnni();
+    const int vnni = uag_use_vnni();
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * Kb));

@@ -80,44 +80,94 @@ static float quantize_row(const float *x, int64_t K, int64_t Kp, uint8_t *u, flo
 }
 
 /* Rows [0, mb) of u against nv vectors of outputs over all K/4 quads: int32 sums into state
- * (row i, vector j at state[i * 8 + j]). mb and nv are constants after inlining. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *u, int64_t ldu, const int mb,
-                                                       int64_t Kq, const int8_t *w, const int nv,
-                                                       __m256i *state) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[8][8];
-    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_si256();
-    for (int64_t kq = 0; kq < Kq; kq++) {
-        __m256i wv[8];
-        if ((kq & 1) == 0) /* a tile's streams, 1 KB ahead: ~15 % at 8 rows (2 Zen 3 cores) */
-            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) _mm_prefetch(
-                (const char *)(w + ((int64_t)j * Kq + kq) * LANES * QK) + 1024, _MM_HINT_T0);
-        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)
-            wv[j] = _mm256_loadu_si256((const __m256i *)(w + ((int64_t)j * Kq + kq) * LANES * QK));
-        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
-            int32_t four;
-            memcpy(&four, u + i * ldu + kq * QK, sizeof four);
-            const __m256i xb = _mm256_set1_epi32(four);
-            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = _mm256_add_epi32(
-                acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, wv[j]), ones));
-        }
+ * (row i, vector j at state[i * 8 + j]). mb and nv are constants after inlining. DOT(acc, x, w)
+ * adds the four u8 x s8 products of each 32-bit lane into acc, exactly. */
+#define TILE(NAME, ATTR, DOT)                                                                      \
+    static inline ATTR void NAME(const uint8_t *u, int64_t ldu, const int mb, int64_t Kq,          \
+                                 const int8_t *w, const int nv, __m256i *state) {                  \
+        __m256i acc[8][8];                                                                         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)                                       \
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_si256(); \
+        for (int64_t kq = 0; kq < Kq; kq++) {                                                      \
+            __m256i wv[8];                                                                         \
+            if ((kq & 1) == 0) /* a tile's streams, 1 KB ahead: ~15 % at 8 rows (2 Zen 3 cores) */ \
+                _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) _mm_prefetch(                  \
+                    (const char *)(w + ((int64_t)j * Kq + kq) * LANES * QK) + 1024, _MM_HINT_T0);   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) wv[j] =                            \
+                _mm256_loadu_si256((const __m256i *)(w + ((int64_t)j * Kq + kq) * LANES * QK));    \
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {                                 \
+                int32_t four;                                                                      \
+                memcpy(&four, u + i * ldu + kq * QK, sizeof four);                                 \
+                const __m256i xb = _mm256_set1_epi32(four);                                        \
+                _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] =                    \
+                    DOT(acc[i][j], xb, wv[j]);                                                     \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)                                       \
+            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];     \
     }
-    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];
-}
 
-#define CASE(MB, NV) case (MB) * 16 + (NV): tile(u, ldu, MB, Kq, w, NV, state); break;
-static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
-                     __m256i *state) {
+/* AVX2: vpmaddubsw (two products into an int16, which 2 * 127 * 127 cannot overflow), then
+ * vpmaddwd to int32. */
+static inline __attribute__((always_inline)) __m256i dot_avx2(__m256i acc, __m256i x, __m256i w) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
+TILE(tile_avx2, __attribute__((always_inline)), dot_avx2)
+
+/* AVX-VNNI where the CPU has it (checked at run time): vpdpbusd, the same exact sums in one
+ * instruction instead of three, so the same bits. */
+#define VNNI __attribute__((target("avx2,fma,avxvnni")))
+static inline __attribute__((always_inline)) VNNI __m256i dot_vnni(__m256i acc, __m256i x, __m256i w) {
+    return _mm256_dpbusd_avx_epi32(acc, x, w);
+}
+TILE(tile_vnni, VNNI __attribute__((always_inline)), dot_vnni)
+
+#define CASES(FN)                                                                                  \
+    CASE(FN, 1, 1) CASE(FN, 2, 1) CASE(FN, 3, 1) CASE(FN, 4, 1) CASE(FN, 5, 1) CASE(FN, 6, 1)      \
+    CASE(FN, 7, 1) CASE(FN, 8, 1) CASE(FN, 1, 2) CASE(FN, 2, 2) CASE(FN, 3, 2) CASE(FN, 4, 2)      \
+    CASE(FN, 5, 2) CASE(FN, 6, 2) CASE(FN, 1, 3) CASE(FN, 2, 3) CASE(FN, 3, 3) CASE(FN, 1, 4)      \
+    CASE(FN, 2, 4) CASE(FN, 1, 8)
+#define CASE(FN, MB, NV) case (MB) * 16 + (NV): FN(u, ldu, MB, Kq, w, NV, state); break;
+static void dispatch_avx2(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w,
+                          int nv, __m256i *state) {
     switch (mb * 16 + nv) {
-        CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(5, 1) CASE(6, 1) CASE(7, 1) CASE(8, 1)
-        CASE(1, 2) CASE(2, 2) CASE(3, 2) CASE(4, 2) CASE(5, 2) CASE(6, 2)
-        CASE(1, 3) CASE(2, 3) CASE(3, 3)
-        CASE(1, 4) CASE(2, 4)
-        CASE(1, 8)
+        CASES(tile_avx2)
         default: abort(); /* tile_vectors / max_rows never ask for another shape */
     }
+}
+static VNNI void dispatch_vnni(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w,
+                               int nv, __m256i *state) {
+    switch (mb * 16 + nv) {
+        CASES(tile_vnni)
+        default: abort();
+    }
+}
+
+static int vnni_state = -1; /* -1: not decided yet */
+
+/* 1 where the CPU has AVX-VNNI (and the tests have not turned it off), else 0; q4.c too. */
+int uag_use_vnni(void) {
+    if (vnni_state < 0) {
+        __builtin_cpu_init();
+        vnni_state = __builtin_cpu_supports("avxvnni") != 0;
+    }
+    return vnni_state;
+}
+
+/* Tests: VNNI where the CPU has it (want 1) or the AVX2 paths (want 0), in q8.c and q4.c;
+ * returns the path now in use (1: VNNI). Both give the same bits. */
+int64_t uag_set_vnni(int64_t want) {
+    vnni_state = -1;
+    vnni_state = want && uag_use_vnni();
+    return vnni_state;
+}
+
+static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
+                     __m256i *state) {
+    if (uag_use_vnni())
+        dispatch_vnni(u, ldu, mb, Kq, w, nv, state);
+    else
+        dispatch_avx2(u, ldu, mb, Kq, w, nv, state);
 }
 
 /* Vectors per tile and rows per pass by row count (mb * nv accumulators + nv weights + 2 fit in
