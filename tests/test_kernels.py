@@ -448,9 +448,10 @@ def test_q4_holds_q4_1_weights_exactly_and_stays_close(shape):
 
 @needs_native
 @pytest.mark.parametrize("q4", [True, False])
-def test_avx2_and_vnni_paths_give_the_same_bits(q4):
-    """q4.c and q8.c sum exactly in int32 on either instruction set: the same floats out (the
-    screened head's bound and the assistant's drafts do not depend on the CPU)."""
+def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
+    """q4.c and q8.c sum exactly in int32 on every instruction set (AVX2, AVX-VNNI, AVX-512
+    VNNI for several rows): the same floats out, for every row count and for the screened head's
+    two-level product with its bound, so nothing downstream depends on the CPU."""
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(2)
     linear = nn.Linear(96, 40)
@@ -459,17 +460,32 @@ def test_avx2_and_vnni_paths_give_the_same_bits(q4):
             linear.weight.copy_(native.q4_like_weight(40, 96, generator=gen))
     layer = native.NativeLinear(linear, int8=True, dynamic=True, q4=q4)
     assert layer.q4 == q4
-    x = torch.randn(11, 96, generator=gen)
+    x = torch.randn(17, layer.padded_in, generator=gen)
     lib = layer.lib
+
+    def outputs() -> list[torch.Tensor]:
+        outs = [layer(x[:m]) for m in range(1, 18)]
+        if not q4:  # the screening product: two levels and the bound
+            y, bound = torch.empty(17, layer.padded_out), torch.empty(17)
+            layer.product_q8(x, y, levels=2, bound=bound)
+            outs += [y, bound]
+        return outs
+
     try:
         lib.uag_set_vnni(0)
-        plain = layer(x)
+        lib.uag_set_avx512vnni(0)
+        reference = outputs()
         vnni = lib.uag_set_vnni(1)
-        assert torch.equal(layer(x), plain)
+        for got, want in zip(outputs(), reference, strict=True):
+            assert torch.equal(got, want)
+        wide = lib.uag_set_avx512vnni(1)
+        for got, want in zip(outputs(), reference, strict=True):
+            assert torch.equal(got, want)
     finally:
         lib.uag_set_vnni(1)
-    if not vnni:
-        pytest.skip("this CPU has no AVX-VNNI: only the AVX2 path ran")
+        lib.uag_set_avx512vnni(1)
+    if not (vnni and wide):
+        pytest.skip("this CPU lacks AVX-VNNI or AVX-512 VNNI: not every path ran")
 
 
 @needs_native
@@ -501,3 +517,33 @@ def test_fused_q4_linears_equal_their_parts_bitwise():
     assert torch.equal(fused(x), torch.cat(before, dim=-1))
     for p, expected in zip(parts, before, strict=True):
         assert torch.equal(p(x), expected)
+
+
+@needs_native
+@pytest.mark.parametrize("form", ["fp32", "int8", "block_int8", "block_affine"])
+def test_avx512_and_avx2_paths_give_the_same_bits(form):
+    """skinny.c's AVX-512 path (several rows) keeps every output's chain of multiply-adds: the
+    same bits as the AVX2 path for every row count, so verification stays lossless on either."""
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(6)
+    if form == "block_int8":
+        linear = _gguf_like_linear(72, 128, steps=16, seed=6)
+    else:
+        linear = nn.Linear(128, 72)
+        if form == "block_affine":
+            with torch.no_grad():
+                linear.weight.copy_(native.affine_like_weight(72, 128, levels=16, generator=gen))
+    layer = native.NativeLinear(linear, int8=form == "int8")
+    assert layer.exact_format == (form if form.startswith("block") else "")
+    x = torch.randn(16, 128, generator=gen)
+    lib = layer.lib
+    try:
+        lib.uag_set_avx512(0)
+        plain = [layer(x[:m]) for m in range(1, 17)]
+        wide = lib.uag_set_avx512(1)
+        for m in range(1, 17):
+            assert torch.equal(layer(x[:m]), plain[m - 1]), m
+    finally:
+        lib.uag_set_avx512(1)
+    if not wide:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 path ran")

@@ -123,7 +123,75 @@ static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *x
     }
 }
 
-int uag_use_vnni(void); /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
+int uag_use_vnni(void);       /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
+int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI */
+
+/* AVX-512 VNNI, for several rows (the assistant's catch-up forward): one 64-byte load holds two
+ * of a block's four vectors; the activations are laid out to match once per call (xe: per row
+ * and block, four 64-byte vectors: lanes 0-7 take the quad the first vector's nibbles multiply,
+ * lanes 8-15 the second's). Exact int32 lanes, halves added at the end: the same integers as the
+ * 256-bit paths, so the same floats. */
+#define AVX512VNNI __attribute__((target("avx2,fma,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define XE_BLOCK 256 /* bytes of expanded activations per row and block */
+
+static void expand_rows(const int8_t *xq, int64_t M, int64_t Kb, uint8_t *xe) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < Kb; b++) {
+            const int8_t *x = xq + (m * Kb + b) * QB;
+            int32_t *dst = (int32_t *)(xe + (m * Kb + b) * XE_BLOCK);
+            /* vectors (v0 lo, v1 lo), (v0 hi, v1 hi), (v2 lo, v3 lo), (v2 hi, v3 hi): vector v's
+             * low nibbles take inputs 8v..8v+3, its high nibbles 8v+4..8v+7 */
+            const int first[4] = {0, 4, 16, 20};
+            for (int e = 0; e < 4; e++) {
+                int32_t a, c;
+                memcpy(&a, x + first[e], 4);
+                memcpy(&c, x + first[e] + 8, 4);
+                for (int l = 0; l < 8; l++) dst[e * 16 + l] = a, dst[e * 16 + 8 + l] = c;
+            }
+        }
+}
+
+static inline AVX512VNNI __attribute__((always_inline)) void tile512(
+    const uint8_t *xe, const float *sx, const float *xs, int64_t Kb, const int mb,
+    const uint8_t *w, const float *p, __m256 *out) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m256 facc[MAX_MB];
+    _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) facc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < Kb; b++) {
+        const uint8_t *wb = w + b * (LANES * QB / 2);
+        _mm_prefetch((const char *)wb + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + 1024 + 64, _MM_HINT_T0);
+        const __m512i r01 = _mm512_loadu_si512((const void *)wb);
+        const __m512i r23 = _mm512_loadu_si512((const void *)(wb + 64));
+        const __m512i nib[4] = {_mm512_and_si512(r01, low),
+                                _mm512_and_si512(_mm512_srli_epi16(r01, 4), low),
+                                _mm512_and_si512(r23, low),
+                                _mm512_and_si512(_mm512_srli_epi16(r23, 4), low)};
+        const __m256 d = _mm256_loadu_ps(p + b * 2 * LANES), m = _mm256_loadu_ps(p + b * 2 * LANES + LANES);
+        _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) {
+            const uint8_t *x = xe + (i * Kb + b) * XE_BLOCK;
+            __m512i acc = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) acc = _mm512_dpbusd_epi32(
+                acc, nib[e], _mm512_loadu_si512((const void *)(x + e * 64)));
+            const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc),
+                                                 _mm512_extracti64x4_epi64(acc, 1));
+            const __m256 scaled = _mm256_mul_ps(d, _mm256_set1_ps(sx[i * Kb + b]));
+            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, facc[i]);
+            facc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * Kb + b]), facc[i]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < mb; i++) out[i] = facc[i];
+}
+
+#define CASE512(MB) case MB: tile512(xe, sx, xs, Kb, MB, w, p, out); break;
+static AVX512VNNI void dispatch512(const uint8_t *xe, const float *sx, const float *xs, int64_t Kb,
+                                   int mb, const uint8_t *w, const float *p, __m256 *out) {
+    switch (mb) {
+        CASE512(1) CASE512(2) CASE512(3) CASE512(4)
+        default: abort();
+    }
+}
+
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the Q4_1 weight (K, N multiples of
  * 32 and 8), plus bias. Both instruction paths give the same exact integer sums, so the same
@@ -131,13 +199,15 @@ int uag_use_vnni(void); /* q8.c: the CPU has AVX-VNNI (and the tests left it on)
 void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
     const int64_t Kb = K / QB, tiles = N / LANES;
-    const int vnni = uag_use_vnni();
+    const int vnni = uag_use_vnni(), wide = M > 1 && uag_use_avx512vnni();
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < Kb; b++)
             sx[m * Kb + b] = quantize_block(x + m * ldx + b * QB, xq + m * K + b * QB, xs + m * Kb + b);
+    uint8_t *xe = wide ? (uint8_t *)malloc((size_t)(M * Kb * XE_BLOCK)) : NULL;
+    if (wide) expand_rows(xq, M, Kb, xe);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *wt = w + t * Kb * (LANES * QB / 2);
@@ -145,7 +215,9 @@ void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint
         for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
             const int mb = (int)(M - m0 < MAX_MB ? M - m0 : MAX_MB);
             __m256 out[MAX_MB];
-            if (vnni)
+            if (wide)
+                dispatch512(xe + m0 * Kb * XE_BLOCK, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
+            else if (vnni)
                 dispatch_vnni(xq + m0 * K, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
             else
                 dispatch_avx2(xq + m0 * K, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
@@ -156,5 +228,5 @@ void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint
             }
         }
     }
-    free(xq), free(sx), free(xs);
+    free(xq), free(sx), free(xs), free(xe);
 }

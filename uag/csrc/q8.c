@@ -162,6 +162,87 @@ int64_t uag_set_vnni(int64_t want) {
     return vnni_state;
 }
 
+/* AVX-512 VNNI where the CPU has it: one 64-byte load holds two consecutive quads of a vector's
+ * 8 outputs (the layout is [N/8][K/4][8][4]), and the activations are laid out to match once per
+ * call (ux: per row, per pair of quads, the first quad's 4 bytes in lanes 0-7 and the second's
+ * in lanes 8-15). Each lane's int32 sum is exact, and the two halves added at the end give the
+ * same integers as the 256-bit paths, so the same floats. Several rows (a verify) then cost
+ * half the instructions per weight byte. */
+#define AVX512VNNI __attribute__((target("avx2,fma,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define MAX_MB512 16
+
+static inline AVX512VNNI __attribute__((always_inline)) void tile512(
+    const uint8_t *ux, int64_t ldux, const uint8_t *u, int64_t ldu, const int mb, int64_t Kq,
+    const int8_t *w, __m256i *state) {
+    __m512i acc[MAX_MB512];
+    _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+    const int64_t pairs = Kq / 2;
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        _mm_prefetch((const char *)(w + kp * 64) + 1024, _MM_HINT_T0);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + kp * 64));
+        _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) acc[i] = _mm512_dpbusd_epi32(
+            acc[i], _mm512_loadu_si512((const void *)(ux + i * ldux + kp * 64)), wv);
+    }
+    _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
+        __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]),
+                                       _mm512_extracti64x4_epi64(acc[i], 1));
+        if (Kq & 1) { /* the last quad on its own */
+            int32_t four;
+            memcpy(&four, u + i * ldu + (Kq - 1) * QK, sizeof four);
+            sum = _mm256_dpbusd_epi32(
+                sum, _mm256_set1_epi32(four),
+                _mm256_loadu_si256((const __m256i *)(w + (Kq - 1) * LANES * QK)));
+        }
+        state[i * 8] = sum;
+    }
+}
+
+#define CASE512(MB) case MB: tile512(ux, ldux, u, ldu, MB, Kq, w, state); break;
+static AVX512VNNI void dispatch512(const uint8_t *ux, int64_t ldux, const uint8_t *u, int64_t ldu,
+                                   int mb, int64_t Kq, const int8_t *w, __m256i *state) {
+    switch (mb) {
+        CASE512(1) CASE512(2) CASE512(3) CASE512(4) CASE512(5) CASE512(6) CASE512(7) CASE512(8)
+        CASE512(9) CASE512(10) CASE512(11) CASE512(12) CASE512(13) CASE512(14) CASE512(15)
+        CASE512(16)
+        default: abort();
+    }
+}
+
+static int avx512_state = -1; /* -1: not decided yet */
+
+/* 1 where the CPU has AVX-512 VNNI (with F, BW, VL) and the tests left it on; q4.c too. */
+int uag_use_avx512vnni(void) {
+    if (avx512_state < 0) {
+        __builtin_cpu_init();
+        avx512_state = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512f") &&
+                       uag_use_vnni();
+    }
+    return avx512_state;
+}
+
+/* Tests: the AVX-512 VNNI paths where the CPU has them (want 1) or not (want 0); returns the
+ * path now in use. Both give the same bits. */
+int64_t uag_set_avx512vnni(int64_t want) {
+    avx512_state = -1;
+    avx512_state = want && uag_use_avx512vnni();
+    return avx512_state;
+}
+
+/* Row r of u [R][Kp] → ux [R][Kq/2][64]: for each pair of quads, the first quad's 4 bytes
+ * repeated in lanes 0-7, the second's in lanes 8-15 (tile512's activations). */
+static void expand_rows(const uint8_t *u, int64_t R, int64_t Kp, uint8_t *ux) {
+    const int64_t pairs = Kp / QK / 2;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t kp = 0; kp < pairs; kp++) {
+            int32_t a, b;
+            memcpy(&a, u + r * Kp + kp * 2 * QK, 4);
+            memcpy(&b, u + r * Kp + kp * 2 * QK + QK, 4);
+            int32_t *dst = (int32_t *)(ux + (r * pairs + kp) * 64);
+            for (int l = 0; l < 8; l++) dst[l] = a, dst[l + 8] = b;
+        }
+}
+
 static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
                      __m256i *state) {
     if (uag_use_vnni())
@@ -210,7 +291,12 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
         if (bound) bound[m] = 0.505f * xs[m * levels + levels - 1] + 4e-6f * top;
     }
     const int64_t vectors = N / LANES;
-    const int nv = tile_vectors(R < GROUP ? R : GROUP), most = max_rows(nv);
+    /* several rows (a verify, a second level): the AVX-512 VNNI path where there is one */
+    const int wide = R > 1 && uag_use_avx512vnni();
+    const int64_t pairs = Kq / 2;
+    uint8_t *ux = wide ? (uint8_t *)malloc((size_t)(R * (pairs > 0 ? pairs : 1) * 64)) : NULL;
+    if (wide) expand_rows(u, R, Kp, ux);
+    const int nv = tile_vectors(R < GROUP ? R : GROUP), most = wide ? MAX_MB512 : max_rows(nv);
     const int64_t tiles = (vectors + nv - 1) / nv;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -227,8 +313,12 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                 const int64_t left = rows - m0, rest = passes - p;
                 const int mb = (int)((left + rest - 1) / rest);
                 for (int j = 0; j < width; j += step)
-                    dispatch(u + (g0 + m0) * Kp, Kp, mb, Kq, wt + j * LANES * Kp, step,
-                             state + m0 * 8 + j);
+                    if (wide) /* nv is 1: one vector per tile */
+                        dispatch512(ux + (g0 + m0) * pairs * 64, pairs * 64, u + (g0 + m0) * Kp,
+                                    Kp, mb, Kq, wt + j * LANES * Kp, state + m0 * 8 + j);
+                    else
+                        dispatch(u + (g0 + m0) * Kp, Kp, mb, Kq, wt + j * LANES * Kp, step,
+                                 state + m0 * 8 + j);
                 m0 += mb;
             }
             for (int64_t i = 0; i < rows; i++) {
@@ -259,5 +349,5 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             }
         }
     }
-    free(u), free(xs), free(zp), free(res);
+    free(u), free(xs), free(zp), free(res), free(ux);
 }

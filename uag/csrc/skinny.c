@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define LANES 8 /* outputs per vector; the weight is stored as [N/8][K][8] */
 #define BLOCK_K 32 /* inputs sharing one scale in the block-scaled int8 layout */
@@ -150,6 +151,111 @@ static void dispatch_a8(const float *x, int64_t ldx, int mb, int64_t k0, int64_t
     switch (mb * 16 + nv) { SHAPES(CASE_A8) }
 }
 
+/* AVX-512, where the CPU has it (checked at run time): two of a tile's 8-output vectors side by
+ * side in one 16-lane register, so each multiply-add serves 16 outputs. Lane l of the pair is
+ * still output l of its vector, accumulated by one fused multiply-add per k in order, so every
+ * output is the same chain of roundings as on the AVX2 path: bitwise the same results (tested by
+ * switching paths), at up to half the multiply-add instructions once several rows share the
+ * weights (a verify). One row stays on the AVX2 path: it is bound by memory, not arithmetic. */
+#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+#define PAIRS 2   /* 8-output vectors per tile on this path: 2 pairs, 32 outputs */
+#define MAX_MB512 12 /* rows per pass: 12 x 2 accumulators + 2 weights + 1 broadcast of 32 */
+
+static inline AVX512 __attribute__((always_inline)) __m512 join(__m256 lo, __m256 hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+static inline AVX512 __attribute__((always_inline)) __m512 w2_f32(const float *a, const float *b) {
+    return join(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+}
+static inline AVX512 __attribute__((always_inline)) __m128i bytes2(const void *a, const void *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+}
+static inline AVX512 __attribute__((always_inline)) __m512 w2_i8(const int8_t *a, const int8_t *b) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes2(a, b)));
+}
+static inline AVX512 __attribute__((always_inline)) __m512 w2_u8(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes2(a, b)));
+}
+
+/* Rows [0, mb) against PAIRS pairs of vectors (4 vectors: j = 2p, 2p + 1) for k in [k0, k1);
+ * state as in the AVX2 kernels. fmt: 0 fp32, 1 int8 (scale applied at the end, as k_i8),
+ * 2 block int8, 3 block affine; the weight each multiply-add sees is bitwise the AVX2 path's. */
+static inline AVX512 __attribute__((always_inline)) void k512(
+    const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K, const void *w,
+    const float *bs, const int fmt, __m256 *state) {
+    __m512 acc[MAX_MB512][PAIRS];
+    _Pragma("GCC unroll 12") for (int i = 0; i < mb; i++)
+        _Pragma("GCC unroll 2") for (int p = 0; p < PAIRS; p++)
+            acc[i][p] = join(state[i * 8 + 2 * p], state[i * 8 + 2 * p + 1]);
+    const float *wf = (const float *)w;
+    const int8_t *wq = (const int8_t *)w;
+    const uint8_t *wu = (const uint8_t *)w;
+    for (int64_t k = k0; k < k1; k++) {
+        __m512 wv[PAIRS];
+        _Pragma("GCC unroll 2") for (int p = 0; p < PAIRS; p++) {
+            const int64_t a = ((2 * p) * K + k) * LANES, b = ((2 * p + 1) * K + k) * LANES;
+            if (fmt == 0) {
+                wv[p] = w2_f32(wf + a, wf + b);
+            } else if (fmt == 1) {
+                wv[p] = w2_i8(wq + a, wq + b);
+            } else if (fmt == 2) {
+                const int64_t KB = K / BLOCK_K;
+                const __m512 sc = w2_f32(bs + ((2 * p) * KB + k / BLOCK_K) * LANES,
+                                         bs + ((2 * p + 1) * KB + k / BLOCK_K) * LANES);
+                wv[p] = _mm512_mul_ps(w2_i8(wq + a, wq + b), sc);
+            } else {
+                const int64_t KB = K / ABLOCK_K;
+                const float *pa = bs + ((2 * p) * KB + k / ABLOCK_K) * 2 * LANES;
+                const float *pb = bs + ((2 * p + 1) * KB + k / ABLOCK_K) * 2 * LANES;
+                wv[p] = _mm512_add_ps(_mm512_mul_ps(w2_u8(wu + a, wu + b), w2_f32(pa, pb)),
+                                      w2_f32(pa + LANES, pb + LANES));
+            }
+        }
+        _Pragma("GCC unroll 12") for (int i = 0; i < mb; i++) {
+            const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
+            _Pragma("GCC unroll 2") for (int p = 0; p < PAIRS; p++)
+                acc[i][p] = _mm512_fmadd_ps(xb, wv[p], acc[i][p]);
+        }
+    }
+    _Pragma("GCC unroll 12") for (int i = 0; i < mb; i++)
+        _Pragma("GCC unroll 2") for (int p = 0; p < PAIRS; p++) {
+            state[i * 8 + 2 * p] = _mm512_castps512_ps256(acc[i][p]);
+            state[i * 8 + 2 * p + 1] = _mm512_extractf32x8_ps(acc[i][p], 1);
+        }
+}
+
+#define CASE512(FMT, MB) case (FMT) * 16 + (MB): k512(x, ldx, MB, k0, k1, K, w, bs, FMT, state); break;
+#define ROWS512(FMT) CASE512(FMT, 1) CASE512(FMT, 2) CASE512(FMT, 3) CASE512(FMT, 4) \
+    CASE512(FMT, 5) CASE512(FMT, 6) CASE512(FMT, 7) CASE512(FMT, 8) CASE512(FMT, 9) \
+    CASE512(FMT, 10) CASE512(FMT, 11) CASE512(FMT, 12)
+static AVX512 void dispatch512(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1,
+                               int64_t K, const void *w, const float *bs, int fmt, __m256 *state) {
+    switch (fmt * 16 + mb) {
+        ROWS512(0) ROWS512(1) ROWS512(2) ROWS512(3)
+        default: abort();
+    }
+}
+
+static int avx512_state = -1; /* -1: not decided yet */
+
+/* 1 where the CPU has AVX-512 (F, BW, DQ, VL) and the tests have not turned it off, else 0. */
+static int use_avx512(void) {
+    if (avx512_state < 0) {
+        __builtin_cpu_init();
+        avx512_state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    }
+    return avx512_state;
+}
+
+/* Tests: the AVX-512 path where the CPU has it (want 1) or AVX2 only (want 0); returns the path
+ * now in use (1: AVX-512). Both give the same bits. */
+int64_t uag_set_avx512(int64_t want) {
+    avx512_state = -1;
+    avx512_state = want && use_avx512();
+    return avx512_state;
+}
+
 #define GROUP 16 /* rows whose accumulators stay in one state buffer (16 x 8 vectors, 4 KB) */
 #define KC 128   /* inputs per chunk when a tile takes several passes */
 
@@ -180,12 +286,15 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
     const float *bscale = int8 >= 2 ? scale : NULL;
     if (int8 >= 2) scale = NULL;
     const int64_t vectors = N / LANES;
-    const int nv = tile_vectors(M), most = max_rows(nv);
+    const int wide = M > 1 && use_avx512(); /* several rows: the AVX-512 path where there is one */
+    const int nv = wide ? 2 * PAIRS : tile_vectors(M);
     const int64_t tiles = (vectors + nv - 1) / nv;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t v0 = t * nv, n0 = v0 * LANES;
         const int width = vectors - v0 < nv ? (int)(vectors - v0) : nv;
+        /* rows per pass: a narrower last tile goes one vector at a time on the AVX2 kernels */
+        const int most = width < nv ? max_rows(1) : wide ? MAX_MB512 : max_rows(nv);
         const float *wf = (const float *)w + n0 * K;
         const int8_t *wq = (const int8_t *)w + n0 * K;
         for (int64_t g0 = 0; g0 < M; g0 += GROUP) {
@@ -204,6 +313,15 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
                     __m256 *st = state + m0 * 8;
                     /* the last tile may be narrower: then one vector at a time */
                     const int step = width == nv ? nv : 1;
+                    if (wide && step == nv) {
+                        const void *wt = int8 == 0 ? (const void *)wf : (const void *)wq;
+                        const float *bt = int8 == 2   ? bscale + v0 * (K / BLOCK_K) * LANES
+                                          : int8 == 3 ? bscale + v0 * (K / ABLOCK_K) * 2 * LANES
+                                                      : NULL;
+                        dispatch512(xm, ldx, mb, k0, k1, K, wt, bt, int8, st);
+                        m0 += mb;
+                        continue;
+                    }
                     for (int j = 0; j < width; j += step) {
                         if (!int8)
                             dispatch_f32(xm, ldx, mb, k0, k1, K, wf + j * LANES * K, step, st + j);
