@@ -69,6 +69,23 @@ def test_generate_help_explains_flags(capsys):
             ["bench", "--prompts", "mixed", "--sample", "--policies", "static-2,oracle"],
             "leave it out with --sample",
         ),
+        (["bench", "--prompts", "mixed", "--policies", "confidence-1.2.3"], "takes a number T"),
+        (["bench", "--prompts", "mixed", "--policies", "static-2,static-2"], "listed twice"),
+        (["bench", "--prompts", "mixed", "--policies", "entropy,entropy-1.5"], "listed twice"),
+        (["bench", "--prompts", "mixed", "--policies", "static-0"], "whole number K >= 1"),
+        (["bench", "--prompts", "mixed", "--policies", "greedy"], "unknown policy 'greedy'"),
+        (["generate", "--prompt", "x", "--policy", "confidence-1.2.3"], "takes a number T"),
+        (["generate", "--prompt", "x", "--policy", "confidence-2"], "probability in (0, 1]"),
+        (["generate", "--prompt", "x", "--policy", "oracle"], "an arm of uag bench"),
+        (["generate", "--prompt", "x", "--policy", "learned"], "needs --controller"),
+        (
+            ["generate", "--prompt", "x", "--policy", "static-4", "--lookahead", "2"],
+            "lookahead is given twice",
+        ),
+        (
+            ["generate", "--prompt", "x", "--policy", "static", "--threshold", "0.3"],
+            "does not apply to the static policy",
+        ),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv, message):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import re
 import secrets
 import statistics
 import time
@@ -275,20 +274,17 @@ def bootstrap_interval(
 
 
 def parse_policies(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    pattern = re.compile(
-        r"^(target-only|heuristic|transformers|learned(:.+\.onnx)?|oracle|static-\d+|confidence-[0-9.]+|entropy(-[0-9.]+)?)$"
-    )
-    bad = [n for n in names if not pattern.match(n)]
-    if bad:
-        raise UagError(
-            f"unknown policy name(s) {', '.join(bad)}: use target-only, static-K, heuristic, confidence-T, "
-            "entropy[-T], transformers, learned, learned:PATH.onnx, oracle"
-        )
-    if "target-only" not in names:
-        names.insert(0, "target-only")  # the reference every other arm is checked against
+    """``--policies`` → arm names (``controllers.spec``'s grammar), target-only first; a rule
+    without its number gets the default one written out (``entropy`` → ``entropy-1.5``)."""
+    from controllers.spec import DEFAULTS, PolicySpec, parse_policy_list
+
+    specs = [
+        PolicySpec(s.kind, number=DEFAULTS[s.kind]) if s.is_rule and s.number is None else s
+        for s in parse_policy_list(text)
+    ]
+    names = [str(s) for s in specs]
     if len(set(names)) != len(names):
-        raise UagError("a policy is listed twice")
+        raise UagError(f"a policy is listed twice: {text}")
     return names
 
 
@@ -395,31 +391,23 @@ def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None 
 
 
 def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
-    from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+    from controllers.spec import parse_policy
 
     arms: dict[str, Arm] = {}
     for name in names:
-        if name == "oracle":
+        spec = parse_policy(name)
+        if spec.kind == "oracle":
             continue
         factory: Callable[[], Any] | None
-        if name == "target-only":
+        if spec.kind == "target-only":
             factory = None
-        elif name.startswith("static-"):
-            k = int(name.split("-")[1])
-            factory = lambda k=k: StaticPolicy(k=k)  # noqa: E731
-        elif name == "heuristic":
-            factory = HeuristicPolicy
-        elif name.startswith("confidence-"):
-            t = float(name.split("-")[1])
-            factory = lambda t=t: ConfidencePolicy(threshold=t)  # noqa: E731
-        elif name.startswith("entropy"):
-            t = float(name.split("-")[1]) if "-" in name else 1.5
-            factory = lambda t=t: EntropyPolicy(threshold=t)  # noqa: E731
-        elif name == "learned":
+        elif spec.is_rule:
+            factory = spec.build
+        elif spec.kind == "learned" and spec.path is None:
             factory = _learned_factory(pair, cfg)
-        elif name.startswith("learned:"):  # another controller beside --controller's, for A/B
-            factory = _learned_factory(pair, replace(cfg, controller=Path(name.split(":", 1)[1])))
-        elif name == "transformers":
+        elif spec.kind == "learned":  # another controller beside --controller's, for A/B
+            factory = _learned_factory(pair, replace(cfg, controller=spec.path))
+        elif spec.kind == "transformers":
             # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
             # Its sampling path prunes the assistant's head, which needs a float weight: no int8.
             int8 = cfg.assistant_int8 and cfg.sampling is None

@@ -20,8 +20,6 @@ from typing import Any, NoReturn
 from uag.errors import UagError
 from uag.kernels import KERNEL_CHOICES
 
-POLICIES = ("static", "heuristic", "confidence", "entropy", "learned")
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line (``--help`` still shows the usage)."""
@@ -144,9 +142,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=POLICIES,
+        metavar="SPEC",
         default=None,
-        help="how far to draft each round (default: learned with --controller, else static)",
+        help="how far to draft each round: static[-K], heuristic[-K], confidence[-T], "
+        "entropy[-T], learned (with --controller) or target-only; the same names as "
+        "uag bench --policies (default: learned with --controller, else static)",
     )
     p.add_argument(
         "--controller",
@@ -236,27 +236,6 @@ def sampling_config(args: argparse.Namespace) -> Any:
     )
 
 
-def make_policy(name: str, *, lookahead: int | None, threshold: float | None) -> Any:
-    """A rule policy from CLI-style arguments."""
-    from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
-
-    if name == "static":
-        return StaticPolicy(k=lookahead or 3)
-    if name == "heuristic":
-        return HeuristicPolicy(start=lookahead or 5)
-    if name == "confidence":
-        return ConfidencePolicy(
-            threshold=0.4 if threshold is None else threshold, max_lookahead=lookahead or 20
-        )
-    if name == "learned":
-        raise UagError("--policy learned needs --controller PATH.onnx")
-    if name == "entropy":
-        return EntropyPolicy(
-            threshold=1.5 if threshold is None else threshold, max_lookahead=lookahead or 20
-        )
-    raise UagError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():
@@ -293,11 +272,21 @@ def run_generate(args: argparse.Namespace) -> int:
             "--compare-target-only checks token identity, which sampled outputs do not have "
             "(they match the target in distribution; tests/test_sampling.py checks that)"
         )
-    name = args.policy or ("learned" if args.controller else "static")
-    if args.controller is not None and name != "learned":
-        raise UagError(f"--controller goes with the learned policy, not --policy {name}")
+    from controllers.spec import parse_policy
+
+    spec = parse_policy(args.policy or ("learned" if args.controller else "static"))
+    if spec.kind == "learned" and spec.path is not None:
+        if args.controller is not None:
+            raise UagError(f"the controller is given twice: --policy {spec} and --controller")
+        args.controller = spec.path
+    if args.controller is not None and spec.kind != "learned":
+        raise UagError(f"--controller goes with the learned policy, not --policy {spec}")
+    if spec.kind == "learned" and args.controller is None:
+        raise UagError("--policy learned needs --controller PATH.onnx")
+    if spec.kind in ("transformers", "oracle"):
+        raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
     learned = None
-    if name == "learned" and args.controller is not None:
+    if spec.kind == "learned":
         from controllers.learned import LearnedPolicy
         from uag.models import resolve_device
 
@@ -306,7 +295,9 @@ def run_generate(args: argparse.Namespace) -> int:
             args.controller, use_cuda=resolve_device(args.device).type == "cuda"
         )
     adopted = settle_model_args(args, learned)
-    policy = learned or make_policy(name, lookahead=args.lookahead, threshold=args.threshold)
+    policy = learned or (
+        spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
+    )
     pair = uag.load_pair(
         args.target,
         args.assistant,
@@ -707,9 +698,10 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policies",
         default=None,
-        help="comma-separated: target-only, static-K, heuristic, confidence-T, entropy[-T], "
-        "transformers, learned (--controller's), learned:PATH.onnx (another controller, to "
-        f"compare two in one run), oracle (default: {DEFAULT_POLICIES}; with --sample: "
+        help="comma-separated: target-only, static[-K], heuristic[-K], confidence[-T], "
+        "entropy[-T] (the same names as uag generate --policy), transformers, learned "
+        "(--controller's), learned:PATH.onnx (another controller, to compare two in one run), "
+        f"oracle (default: {DEFAULT_POLICIES}; with --sample: "
         f"{SAMPLING_POLICIES})",
     )
     p.add_argument(

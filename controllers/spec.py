@@ -1,0 +1,133 @@
+"""One grammar for naming a policy: ``uag generate --policy`` and ``uag bench --policies`` share it.
+
+Why: generate took ``--policy NAME --lookahead K --threshold T`` while bench took strings such as
+``static-4`` and ``confidence-0.6``, matched by a regular expression and split apart again where
+the arms were built: two grammars, and a number the regular expression let through
+(``confidence-1.2.3``) failed deep inside as an internal error. Here a spec is parsed once into a
+``PolicySpec`` (every error one clear line) and built into a policy in one place.
+
+Grammar::
+
+    target-only | static[-K] | heuristic[-K] | confidence[-T] | entropy[-T]
+    | learned | learned:PATH.onnx | transformers | oracle
+
+``K`` is a whole number ≥ 1 (static: tokens per draft; heuristic: the starting lookahead), ``T``
+a number (confidence: stop below this probability, in (0, 1]; entropy: stop above this many
+nats, > 0). ``transformers`` and ``oracle`` are bench arms, not runtime policies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from controllers.base import StopPolicy
+from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+from uag.errors import UagError
+
+RULES = ("static", "heuristic", "confidence", "entropy")
+"""Hand-written rules: built here, with an optional number."""
+KINDS = ("target-only", *RULES, "learned", "transformers", "oracle")
+GRAMMAR = (
+    "target-only, static[-K], heuristic[-K], confidence[-T], entropy[-T], learned, "
+    "learned:PATH.onnx, transformers, oracle"
+)
+DEFAULTS = {"static": 3, "heuristic": 5, "confidence": 0.4, "entropy": 1.5}
+"""A rule's number when the spec gives none (and no flag does)."""
+RULE_CAP = 20
+"""Longest draft of the confidence and entropy rules unless a lookahead is given."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A parsed policy name: its ``kind``, the rule's ``number`` if written, a controller
+    ``path`` for ``learned:PATH``."""
+
+    kind: str
+    number: float | None = None
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        if self.path is not None:
+            return f"learned:{self.path}"
+        if self.number is None:
+            return self.kind
+        number = int(self.number) if self.kind in ("static", "heuristic") else self.number
+        return f"{self.kind}-{number}"
+
+    @property
+    def is_rule(self) -> bool:
+        return self.kind in RULES
+
+    def build(self, *, lookahead: int | None = None, threshold: float | None = None) -> StopPolicy:
+        """The rule this spec names. ``lookahead`` / ``threshold`` are ``uag generate``'s flags:
+        for static and heuristic the lookahead is the spec's own number (give one or the
+        other), for confidence and entropy it caps the draft."""
+        if not self.is_rule:
+            raise UagError(f"{self} is not a rule policy: build it where its model or file is")
+        if self.kind in ("static", "heuristic"):
+            if threshold is not None:
+                raise UagError(f"--threshold does not apply to the {self.kind} policy")
+            if self.number is not None and lookahead is not None:
+                raise UagError(f"the lookahead is given twice: {self} and --lookahead {lookahead}")
+            k = lookahead or int(self.number or DEFAULTS[self.kind])
+            return StaticPolicy(k=k) if self.kind == "static" else HeuristicPolicy(start=k)
+        if self.number is not None and threshold is not None:
+            raise UagError(f"the threshold is given twice: {self} and --threshold {threshold}")
+        value = threshold if threshold is not None else self.number
+        value = DEFAULTS[self.kind] if value is None else value
+        _check_threshold(self.kind, value)
+        cap = lookahead or RULE_CAP
+        if self.kind == "confidence":
+            return ConfidencePolicy(threshold=value, max_lookahead=cap)
+        return EntropyPolicy(threshold=value, max_lookahead=cap)
+
+
+def _check_threshold(kind: str, value: float) -> None:
+    if kind == "confidence" and not 0.0 < value <= 1.0:
+        raise UagError(f"a confidence threshold is a probability in (0, 1], got {value}")
+    if kind == "entropy" and not value > 0.0:
+        raise UagError(f"an entropy threshold is a number of nats > 0, got {value}")
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """``text`` → ``PolicySpec``, or a one-line ``UagError`` saying what is wrong."""
+    spec = text.strip()
+    if spec.startswith("learned:"):
+        path = spec.split(":", 1)[1]
+        if not path.endswith(".onnx"):
+            raise UagError(f"policy {spec!r}: a controller is a .onnx file (learned:PATH.onnx)")
+        return PolicySpec("learned", path=Path(path))
+    if spec in KINDS:
+        return PolicySpec(spec)
+    kind, dash, number = spec.partition("-")
+    if not dash or kind not in RULES:
+        raise UagError(f"unknown policy {spec!r}: use {GRAMMAR}")
+    if kind in ("static", "heuristic"):
+        if not number.isdigit() or int(number) < 1:
+            raise UagError(f"policy {spec!r}: {kind}-K takes a whole number K >= 1")
+        return PolicySpec(kind, number=int(number))
+    try:
+        value = float(number)
+    except ValueError:
+        raise UagError(f"policy {spec!r}: {kind}-T takes a number T, got {number!r}") from None
+    if not math.isfinite(value):
+        raise UagError(f"policy {spec!r}: {kind}-T takes a finite number")
+    _check_threshold(kind, value)
+    return PolicySpec(kind, number=value)
+
+
+def parse_policy_list(text: str) -> list[PolicySpec]:
+    """A comma-separated list (``uag bench --policies``), target-only first: every arm is
+    checked against it. A policy listed twice is an error."""
+    specs = [parse_policy(t) for t in text.split(",") if t.strip()]
+    if not specs:
+        raise UagError("--policies is empty")
+    if all(s.kind != "target-only" for s in specs):
+        specs.insert(0, PolicySpec("target-only"))
+    names = [str(s) for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UagError(f"a policy is listed twice: {', '.join(twice)}")
+    return specs
