@@ -522,17 +522,18 @@ def test_fused_q4_linears_equal_their_parts_bitwise():
 @needs_native
 @pytest.mark.parametrize("form", ["fp32", "int8", "block_int8", "block_affine"])
 def test_avx512_and_avx2_paths_give_the_same_bits(form):
-    """skinny.c's AVX-512 path (several rows) keeps every output's chain of multiply-adds: the
-    same bits as the AVX2 path for every row count, so verification stays lossless on either."""
+    """skinny.c's AVX-512 path keeps every output's chain of multiply-adds: the same bits as the
+    AVX2 path for every row count (136 outputs: one row's 16-vector tile and a narrower rest,
+    several rows' 4-vector tiles and a rest), so verification stays lossless on either."""
     gen = torch.Generator().manual_seed(6)
     torch.manual_seed(6)
     if form == "block_int8":
-        linear = _gguf_like_linear(72, 128, steps=16, seed=6)
+        linear = _gguf_like_linear(136, 128, steps=16, seed=6)
     else:
-        linear = nn.Linear(128, 72)
+        linear = nn.Linear(128, 136)
         if form == "block_affine":
             with torch.no_grad():
-                linear.weight.copy_(native.affine_like_weight(72, 128, levels=16, generator=gen))
+                linear.weight.copy_(native.affine_like_weight(136, 128, levels=16, generator=gen))
     layer = native.NativeLinear(linear, int8=form == "int8")
     assert layer.exact_format == (form if form.startswith("block") else "")
     x = torch.randn(16, 128, generator=gen)
