@@ -135,8 +135,14 @@ def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs):
         policies="target-only,learned,oracle",
         progress=False,
     )
-    by_name = {p.name: p for p in run_bench(cfg).policies}
+    report = run_bench(cfg)
+    by_name = {p.name: p for p in report.policies}
     assert by_name["learned"].identical and by_name["learned"].predicted is not None
+    learned = by_name["learned"]  # a budget per round and a stop per drafted token, timed
+    assert learned.decisions > learned.drafted > 0
+    assert learned.as_row()["controller_us_per_decision"] > 0
+    assert by_name["target-only"].as_row()["controller_us_per_decision"] is None
+    assert "µs / decision" in report.markdown()
     bad = {**COST, "decision": "guess"}
     _export(tmp_path / "bad.onnx", extra=bad)
     with pytest.raises(UagError, match="lacks uag metadata"):

@@ -74,6 +74,8 @@ class ArmRun:
     drafted: int = 0
     accepted: int = 0
     policy_seconds: float = 0.0
+    decisions: int = 0
+    """Controller calls: one budget per round plus one stop per drafted token."""
 
 
 @dataclass
@@ -86,6 +88,7 @@ class PolicyResult:
     drafted: int = 0
     accepted: int = 0
     policy_seconds: float = 0.0
+    decisions: int = 0
     runs: int = 0
     identical_runs: int = 0
     speedup_vs_target: float = 0.0
@@ -159,6 +162,9 @@ class PolicyResult:
             "tokens": self.tokens,
             "controller_share": round(self.policy_seconds / self.seconds, 5)
             if self.seconds and self.policy_seconds
+            else None,
+            "controller_us_per_decision": round(1e6 * self.policy_seconds / self.decisions, 1)
+            if self.decisions and self.policy_seconds
             else None,
             "replay_predicted": None if self.predicted is None else round(self.predicted, 4),
         }
@@ -238,6 +244,8 @@ class BenchReport:
             )
             acc = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
             share = f"{row['controller_share']:.2%}" if row["controller_share"] else "-"
+            if row["controller_us_per_decision"]:
+                share += f" ({row['controller_us_per_decision']:.0f} µs / decision)"
             ci = f"{p.interval[0]:.2f}–{p.interval[1]:.2f}x" if p.interval else "-"
             sim = f"{p.predicted:.2f}x" if p.predicted is not None else "-"
             lines.append(
@@ -314,6 +322,7 @@ def _uag_arm(
             drafted=res.drafted_tokens,
             accepted=res.accepted_drafts,
             policy_seconds=res.time_split()["policy"],
+            decisions=len(res.iterations) + res.drafted_tokens,
         )
 
     return run
@@ -579,6 +588,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 res.drafted += run.drafted
                 res.accepted += run.accepted
                 res.policy_seconds += run.policy_seconds
+                res.decisions += run.decisions
                 res.runs += 1
                 res.identical_runs += int(run.ids == reference)
     bar.close()
