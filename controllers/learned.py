@@ -52,6 +52,9 @@ class ControllerInfo:
     """``cost``: what undoes the class weighting of the scores (``controllers.cost``)."""
     gate: bool = True
     """Whether a round may be skipped (files without the key: a positive gate threshold)."""
+    train_prompts: frozenset[str] = frozenset()
+    """Ids of the prompts its training data came from (train and validation): figures measured
+    on them are not held-out (files exported before this was recorded carry none)."""
 
     def cost_rule(self) -> CostRule:
         """The ``cost`` decision's prices and rate, from the carried latency profile."""
@@ -108,6 +111,7 @@ def read_contract(path: Path, session: Any) -> ControllerInfo:
             gate=bool(json.loads(meta["gate"]))
             if "gate" in meta
             else float(meta.get("gate_threshold", "0")) > 0,
+            train_prompts=frozenset(str(i) for i in json.loads(meta.get("train_prompt_ids", "[]"))),
         )
         if info.decision not in ("cost", "threshold"):
             raise ValueError(f"decision {info.decision!r}")
@@ -181,6 +185,19 @@ class LearnedPolicy:
                 file=sys.stderr,
             )
         return notes
+
+    def warn_if_trained_on(self, prompt_ids: list[str]) -> list[str]:
+        """The ids among ``prompt_ids`` this controller was trained on, with a warning on stderr
+        (a bench on them measures fitting, not generalisation)."""
+        seen = [i for i in prompt_ids if i in self.info.train_prompts]
+        if seen:
+            shown = ", ".join(seen[:5]) + (", ..." if len(seen) > 5 else "")
+            print(
+                f"uag: warning: controller {self.path.name} was trained on {len(seen)} of these "
+                f"{len(prompt_ids)} prompts ({shown}): its figures on them are not held-out",
+                file=sys.stderr,
+            )
+        return seen
 
     def warn_if_foreign_to(self, job: Any, *, device: str) -> list[str]:
         """``warn_if_foreign`` for a prompt-set job's config (collect, bench): its pair, assistant

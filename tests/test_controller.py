@@ -111,7 +111,7 @@ COST = {
 }
 
 
-def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs):
+def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs, capsys):
     """A controller that decides by cost: lossless in the loop, drafting where its prices say
     so, and bench prints replay's prediction for it beside the
     measurement."""
@@ -136,6 +136,7 @@ def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs):
         progress=False,
     )
     report = run_bench(cfg)
+    assert "not held-out" not in capsys.readouterr().err  # no training prompts recorded in it
     by_name = {p.name: p for p in report.policies}
     assert by_name["learned"].identical and by_name["learned"].predicted is not None
     learned = by_name["learned"]  # a budget per round and a stop per drafted token, timed
@@ -385,6 +386,13 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
     policy = LearnedPolicy(shipped)
     assert policy.info.feature_names == list(FEATURE_NAMES)
     assert policy.info.schema_version == SCHEMA_VERSION
+    from uag.prompts import load_prompts
+
+    # trained on :train prompts only, so every bench of :test prompts in the README is held-out
+    held_out = [p.id for p in load_prompts("humaneval:test+mixed:test")]
+    assert len(policy.info.train_prompts) == 120 and policy.warn_if_trained_on(held_out) == []
+    train = [p.id for p in load_prompts("humaneval:train")]
+    assert set(policy.info.train_prompts) & set(train)
     assert 0 < policy.info.threshold < 1
     ctx = DraftContext(
         iteration=4, generated=20, remaining=100, prev_drafted=3, prev_accepted=3,
@@ -406,3 +414,19 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
     assert policy.stop(step(0.02))
     assert policy.budget(ctx) >= 1  # a new round (the cost rule carries survival within one)
     assert not policy.stop(step(0.99))
+
+
+def test_bench_warns_when_a_prompt_was_in_the_controllers_training_data(tmp_path, capsys):
+    from uag.prompts import load_prompts
+
+    ids = [p.id for p in load_prompts("mixed", limit=3)]
+    _export(tmp_path / "c.onnx", extra={"train_prompt_ids": json.dumps([ids[1], "elsewhere"])})
+    policy = LearnedPolicy(tmp_path / "c.onnx")
+    assert policy.info.train_prompts == frozenset({ids[1], "elsewhere"})
+    assert policy.warn_if_trained_on(ids) == [ids[1]]
+    err = capsys.readouterr().err
+    assert f"trained on 1 of these 3 prompts ({ids[1]})" in err and "not held-out" in err
+    assert policy.warn_if_trained_on([ids[0], ids[2]]) == []
+    assert capsys.readouterr().err == ""
+    _export(tmp_path / "old.onnx")  # exported before the ids were recorded: nothing to say
+    assert LearnedPolicy(tmp_path / "old.onnx").warn_if_trained_on(ids) == []

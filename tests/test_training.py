@@ -223,6 +223,8 @@ def test_train_end_to_end_onnx_parity_and_metadata(tmp_path):
     assert json.loads(meta["latency_profile"]) == PROFILE
     assert meta["target"] == "t" and meta["assistant"] == "a" and len(meta["data_hash"]) == 64
     assert meta["decoding"] == "greedy"  # what the data was collected under
+    collected = {str(i) for i in load_runs([run]).prompt_ids}  # train and validation prompts
+    assert set(json.loads(meta["train_prompt_ids"])) == collected and len(collected) == 12
     data = load_runs([run])
     rate = data.labels.mean()  # the class weighting's odds factor, which the cost rule undoes
     assert float(meta["logit_shift"]) == pytest.approx(np.log((1 - rate) / rate), abs=0.2)

@@ -237,6 +237,9 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         "decoding": str(meta.get("decoding", "greedy")),
         "latency_profile": meta["latency_profile"],
         "data_hash": train_set.data_hash,
+        "train_prompt_ids": json.dumps(
+            sorted({str(i) for i in (*train_set.prompt_ids, *val_set.prompt_ids)})
+        ),
         "val_auc": auc,
         "sim_speedup": {k: round(v.speedup, 4) for k, v in sims.items()},
     }

@@ -399,7 +399,11 @@ def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None 
     return run
 
 
-def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
+def build_arms(
+    names: list[str], pair: Any, cfg: BenchConfig, *, prompt_ids: list[str] | None = None
+) -> dict[str, Arm]:
+    """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
+    any of ``prompt_ids`` (the prompts about to be benched)."""
     from controllers.spec import parse_policy
 
     arms: dict[str, Arm] = {}
@@ -413,9 +417,9 @@ def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
         elif spec.is_rule:
             factory = spec.build
         elif spec.kind == "learned" and spec.path is None:
-            factory = _learned_factory(pair, cfg)
+            factory = _learned_factory(pair, cfg, prompt_ids or [])
         elif spec.kind == "learned":  # another controller beside --controller's, for A/B
-            factory = _learned_factory(pair, replace(cfg, controller=spec.path))
+            factory = _learned_factory(pair, replace(cfg, controller=spec.path), prompt_ids or [])
         elif spec.kind == "transformers":
             # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
             # Its sampling path prunes the assistant's head, which needs a float weight: no int8.
@@ -433,13 +437,14 @@ def build_arms(names: list[str], pair: Any, cfg: BenchConfig) -> dict[str, Arm]:
     return arms
 
 
-def _learned_factory(pair: Any, cfg: BenchConfig) -> Callable[[], Any]:
+def _learned_factory(pair: Any, cfg: BenchConfig, prompt_ids: list[str]) -> Callable[[], Any]:
     from controllers.learned import LearnedPolicy
 
     if cfg.controller is None:
         raise UagError("policy 'learned' needs --controller PATH.onnx")
     policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
     policy.warn_if_foreign_to(cfg, device=pair.target.device.type)
+    policy.warn_if_trained_on(prompt_ids)
     return lambda: policy
 
 
@@ -549,7 +554,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         cfg = replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
-    arms = build_arms(names, pair, cfg)
+    arms = build_arms(names, pair, cfg, prompt_ids=[p.id for p in prompts])
     arms.update(extra_arms or {})
     results = {name: PolicyResult(name) for name in arms}
     for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
