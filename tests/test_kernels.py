@@ -485,7 +485,9 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
         lib.uag_set_vnni(1)
         lib.uag_set_avx512vnni(1)
     if not (vnni and wide):
-        pytest.skip("this CPU lacks AVX-VNNI or AVX-512 VNNI: not every path ran")
+        pytest.skip(
+            "AVX-VNNI or AVX-512 VNNI unavailable here (CPU or compiler): not every path ran"
+        )
 
 
 @needs_native

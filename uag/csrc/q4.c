@@ -24,6 +24,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* AVX-VNNI's intrinsics need GCC 11 or clang 12: older compilers build the other paths only. */
+#if !defined(UAG_NO_AVXVNNI) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HAVE_AVXVNNI 1
+#else
+#define HAVE_AVXVNNI 0
+#endif
+
 #define LANES 8 /* outputs per tile */
 #define QB 32   /* inputs per block */
 #define MAX_MB 4
@@ -98,6 +106,7 @@ static inline __attribute__((always_inline)) __m256i dot_avx2(__m256i acc, __m25
 }
 TILE(tile_avx2, __attribute__((always_inline)), dot_avx2)
 
+#if HAVE_AVXVNNI
 /* AVX-VNNI (where the CPU has it, checked at run time): vpdpbusd does the same sums in one
  * instruction per operand pair, exactly (int32 accumulation). */
 #define VNNI __attribute__((target("avx2,fma,avxvnni")))
@@ -106,6 +115,7 @@ static inline __attribute__((always_inline)) VNNI __m256i dot_vnni(__m256i acc, 
     return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, a), hi, c);
 }
 TILE(tile_vnni, VNNI __attribute__((always_inline)), dot_vnni)
+#endif
 
 #define CASE(FN, MB) case MB: FN(xq, sx, xs, Kb, MB, w, p, out); break;
 static void dispatch_avx2(const int8_t *xq, const float *sx, const float *xs, int64_t Kb, int mb,
@@ -115,6 +125,7 @@ static void dispatch_avx2(const int8_t *xq, const float *sx, const float *xs, in
         default: abort();
     }
 }
+#if HAVE_AVXVNNI
 static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *xs, int64_t Kb,
                                int mb, const uint8_t *w, const float *p, __m256 *out) {
     switch (mb) {
@@ -122,6 +133,7 @@ static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *x
         default: abort();
     }
 }
+#endif
 
 int uag_use_vnni(void);       /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
 int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI */
@@ -131,7 +143,7 @@ int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI */
  * and block, four 64-byte vectors: lanes 0-7 take the quad the first vector's nibbles multiply,
  * lanes 8-15 the second's). Exact int32 lanes, halves added at the end: the same integers as the
  * 256-bit paths, so the same floats. */
-#define AVX512VNNI __attribute__((target("avx2,fma,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define XE_BLOCK 256 /* bytes of expanded activations per row and block */
 
 static void expand_rows(const int8_t *xq, int64_t M, int64_t Kb, uint8_t *xe) {
@@ -200,6 +212,7 @@ void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
     const int64_t Kb = K / QB, tiles = N / LANES;
     const int vnni = uag_use_vnni(), wide = M > 1 && uag_use_avx512vnni();
+    (void)vnni; /* unused where the compiler lacks AVX-VNNI */
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * Kb));
@@ -217,8 +230,10 @@ void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint
             __m256 out[MAX_MB];
             if (wide)
                 dispatch512(xe + m0 * Kb * XE_BLOCK, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
+#if HAVE_AVXVNNI
             else if (vnni)
                 dispatch_vnni(xq + m0 * K, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
+#endif
             else
                 dispatch_avx2(xq + m0 * K, sx + m0 * Kb, xs + m0 * Kb, Kb, mb, wt, pt, out);
             for (int i = 0; i < mb; i++) {

@@ -27,6 +27,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* AVX-VNNI's intrinsics need GCC 11 or clang 12: older compilers build the other paths only. */
+#if !defined(UAG_NO_AVXVNNI) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HAVE_AVXVNNI 1
+#else
+#define HAVE_AVXVNNI 0
+#endif
+
 #define LANES 8 /* outputs per vector */
 #define QK 4    /* consecutive inputs per output in one 32-bit lane */
 
@@ -114,6 +122,7 @@ static inline __attribute__((always_inline)) __m256i dot_avx2(__m256i acc, __m25
 }
 TILE(tile_avx2, __attribute__((always_inline)), dot_avx2)
 
+#if HAVE_AVXVNNI
 /* AVX-VNNI where the CPU has it (checked at run time): vpdpbusd, the same exact sums in one
  * instruction instead of three, so the same bits. */
 #define VNNI __attribute__((target("avx2,fma,avxvnni")))
@@ -121,6 +130,7 @@ static inline __attribute__((always_inline)) VNNI __m256i dot_vnni(__m256i acc, 
     return _mm256_dpbusd_avx_epi32(acc, x, w);
 }
 TILE(tile_vnni, VNNI __attribute__((always_inline)), dot_vnni)
+#endif
 
 #define CASES(FN)                                                                                  \
     CASE(FN, 1, 1) CASE(FN, 2, 1) CASE(FN, 3, 1) CASE(FN, 4, 1) CASE(FN, 5, 1) CASE(FN, 6, 1)      \
@@ -135,6 +145,7 @@ static void dispatch_avx2(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, con
         default: abort(); /* tile_vectors / max_rows never ask for another shape */
     }
 }
+#if HAVE_AVXVNNI
 static VNNI void dispatch_vnni(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w,
                                int nv, __m256i *state) {
     switch (mb * 16 + nv) {
@@ -142,14 +153,19 @@ static VNNI void dispatch_vnni(const uint8_t *u, int64_t ldu, int mb, int64_t Kq
         default: abort();
     }
 }
+#endif
 
 static int vnni_state = -1; /* -1: not decided yet */
 
 /* 1 where the CPU has AVX-VNNI (and the tests have not turned it off), else 0; q4.c too. */
 int uag_use_vnni(void) {
     if (vnni_state < 0) {
+#if HAVE_AVXVNNI
         __builtin_cpu_init();
         vnni_state = __builtin_cpu_supports("avxvnni") != 0;
+#else
+        vnni_state = 0;
+#endif
     }
     return vnni_state;
 }
@@ -168,7 +184,7 @@ int64_t uag_set_vnni(int64_t want) {
  * in lanes 8-15). Each lane's int32 sum is exact, and the two halves added at the end give the
  * same integers as the 256-bit paths, so the same floats. Several rows (a verify) then cost
  * half the instructions per weight byte. */
-#define AVX512VNNI __attribute__((target("avx2,fma,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define MAX_MB512 16
 
 static inline AVX512VNNI __attribute__((always_inline)) void tile512(
@@ -215,8 +231,7 @@ int uag_use_avx512vnni(void) {
     if (avx512_state < 0) {
         __builtin_cpu_init();
         avx512_state = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512f") &&
-                       uag_use_vnni();
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512f");
     }
     return avx512_state;
 }
@@ -245,10 +260,13 @@ static void expand_rows(const uint8_t *u, int64_t R, int64_t Kp, uint8_t *ux) {
 
 static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
                      __m256i *state) {
-    if (uag_use_vnni())
+#if HAVE_AVXVNNI
+    if (uag_use_vnni()) {
         dispatch_vnni(u, ldu, mb, Kq, w, nv, state);
-    else
-        dispatch_avx2(u, ldu, mb, Kq, w, nv, state);
+        return;
+    }
+#endif
+    dispatch_avx2(u, ldu, mb, Kq, w, nv, state);
 }
 
 /* Vectors per tile and rows per pass by row count (mb * nv accumulators + nv weights + 2 fit in
