@@ -97,6 +97,14 @@ def test_native_int8_rounds_like_symmetric_per_channel():
     q, scales = native.symmetric_int8(linear.weight.detach())
     torch.testing.assert_close(layer.dequantized(), q.float() * scales[:, None])
     assert (layer.dequantized() - linear.weight).abs().max() <= scales.max() / 2 + 1e-7
+    # the C rounding (start-up speed) gives exactly torch's: half to even, the same clamp
+    w = torch.randn(40, 96) * torch.rand(40, 1) * 3
+    w[3] = 0.0
+    w[5, :4] = torch.tensor([0.5, -0.5, 1.5, 127.0]) * (w[5].abs().max() / 127.0)  # exact halves
+    ref_scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    ref = torch.round(w / ref_scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q, scales = native.symmetric_int8(w)
+    assert torch.equal(q, ref) and torch.equal(scales, ref_scales)
 
 
 @needs_native

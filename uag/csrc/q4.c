@@ -245,3 +245,42 @@ void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint
     }
     free(xq), free(sx), free(xs), free(xe);
 }
+
+/* w[N, K] (row-major fp32; N a multiple of 8, K of 32) → the layout above, when every block of
+ * 32 weights of each output lies on a 16-level grid: step (max - min) / 15 from the block's
+ * minimum, every weight within tol steps of min + step * q (q rounded to nearest, in 0..15).
+ * Returns 1, or 0 when some block is off the grid (see uag.native.q4_grid). */
+int64_t uag_q4_grid(const float *w, int64_t N, int64_t K, float tol, uint8_t *packed,
+                    float *params) {
+    const int64_t Kb = K / QB, tiles = N / LANES;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t b = 0; b < Kb && !bad; b++) {
+            uint8_t *pk = packed + (t * Kb + b) * (LANES * QB / 2);
+            float *pp = params + (t * Kb + b) * 2 * LANES;
+            for (int j = 0; j < LANES; j++) {
+                const float *x = w + (t * LANES + j) * K + b * QB;
+                float lo = x[0], hi = x[0];
+                for (int i = 1; i < QB; i++) {
+                    lo = x[i] < lo ? x[i] : lo;
+                    hi = x[i] > hi ? x[i] : hi;
+                }
+                const float step = (hi - lo) / 15.0f;
+                const float safe = step > 0.0f ? step : 1.0f;
+                uint8_t q[QB];
+                for (int i = 0; i < QB; i++) {
+                    float r = nearbyintf((x[i] - lo) / safe);
+                    r = r < 0.0f ? 0.0f : r > 15.0f ? 15.0f : r;
+                    if (!(fabsf(lo + step * r - x[i]) <= tol * safe + 1e-30f)) bad++;
+                    q[i] = (uint8_t)r;
+                }
+                for (int v = 0; v < 4; v++)
+                    for (int i = 0; i < 4; i++)
+                        pk[v * 32 + 4 * j + i] = (uint8_t)(q[8 * v + i] | (q[8 * v + 4 + i] << 4));
+                pp[j] = step, pp[LANES + j] = lo;
+            }
+        }
+    }
+    return bad == 0;
+}

@@ -369,3 +369,22 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     }
     free(u), free(xs), free(zp), free(res), free(ux);
 }
+
+/* w[N, K] (row-major fp32) → q[N, K] int8 and scale[N]: per output, symmetric, scale =
+ * max(max|w|, 1e-12) / 127 and q = round-to-nearest-even(w / scale) in -127..127 (torch's
+ * round; uag.native.symmetric_int8, which this replaces for speed: ~0.6 s of start-up). */
+void uag_symmetric_int8(const float *w, int64_t N, int64_t K, int8_t *q, float *scale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = w + n * K;
+        float top = 0.0f;
+        for (int64_t k = 0; k < K; k++) top = fabsf(x[k]) > top ? fabsf(x[k]) : top;
+        const float s = (top > 1e-12f ? top : 1e-12f) / 127.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float r = nearbyintf(x[k] / s);
+            r = r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
+            q[n * K + k] = (int8_t)r;
+        }
+        scale[n] = s;
+    }
+}
