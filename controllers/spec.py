@@ -120,8 +120,12 @@ def parse_policy(text: str) -> PolicySpec:
 
 def parse_policy_list(text: str) -> list[PolicySpec]:
     """A comma-separated list (``uag bench --policies``), target-only first: every arm is
-    checked against it. A policy listed twice is an error."""
-    specs = [parse_policy(t) for t in text.split(",") if t.strip()]
+    checked against it. A rule without its number gets the default one written out
+    (``entropy`` → ``entropy-1.5``, the arm's name). A policy listed twice is an error."""
+    specs = [
+        PolicySpec(s.kind, number=DEFAULTS[s.kind]) if s.is_rule and s.number is None else s
+        for s in (parse_policy(t) for t in text.split(",") if t.strip())
+    ]
     if not specs:
         raise UagError("--policies is empty")
     if all(s.kind != "target-only" for s in specs):

@@ -282,18 +282,10 @@ def bootstrap_interval(
 
 
 def parse_policies(text: str) -> list[str]:
-    """``--policies`` → arm names (``controllers.spec``'s grammar), target-only first; a rule
-    without its number gets the default one written out (``entropy`` → ``entropy-1.5``)."""
-    from controllers.spec import DEFAULTS, PolicySpec, parse_policy_list
+    """``--policies`` → arm names (``controllers.spec``'s grammar), target-only first."""
+    from controllers.spec import parse_policy_list
 
-    specs = [
-        PolicySpec(s.kind, number=DEFAULTS[s.kind]) if s.is_rule and s.number is None else s
-        for s in parse_policy_list(text)
-    ]
-    names = [str(s) for s in specs]
-    if len(set(names)) != len(names):
-        raise UagError(f"a policy is listed twice: {text}")
-    return names
+    return [str(s) for s in parse_policy_list(text)]
 
 
 def _uag_arm(

@@ -49,6 +49,8 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
     Path(__file__).parent / "csrc" / "q4.c",  # 4-bit weights x int8 activations (approximate)
 )
+HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
+"""Included by the sources: part of the build's cache key."""
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16
 """The kernels' layout: blocks of 8 outputs, their weights side by side for every input
@@ -78,7 +80,7 @@ def _build(cache: Path) -> Path:
     if gomp is None:
         raise RuntimeError("this torch build bundles no GNU OpenMP runtime to share")
     key = hashlib.sha256(
-        b"".join(src.read_bytes() for src in SOURCES)
+        b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
         + " ".join(FLAGS).encode()
         + torch.__version__.encode()
     ).hexdigest()[:16]
@@ -545,14 +547,7 @@ class NativeLinear(nn.Module):
             rows = rows.contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.padded_out)
-        if self.q4:
-            self._fn(
-                rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
-                self.block_scales.data_ptr(), self.padded_out,
-                None if self.bias_padded is None else self.bias_padded.data_ptr(),
-                y.data_ptr(), self.padded_out,
-            )  # fmt: skip
-        elif self.dynamic:
+        if self.dynamic and not self.q4:
             self.product_q8(rows, y)
         else:
             self._fn(
@@ -562,7 +557,7 @@ class NativeLinear(nn.Module):
                 self.padded_in,
                 self.weight_ilv.data_ptr(),
                 self.block_scales.data_ptr()
-                if self.blocked
+                if self.blocked or self.q4
                 else self.scales.data_ptr()
                 if self.int8
                 else None,

@@ -24,13 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* AVX-VNNI's intrinsics need GCC 11 or clang 12: older compilers build the other paths only. */
-#if !defined(UAG_NO_AVXVNNI) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#define HAVE_AVXVNNI 1
-#else
-#define HAVE_AVXVNNI 0
-#endif
+#include "simd.h"
 
 #define LANES 8 /* outputs per tile */
 #define QB 32   /* inputs per block */
@@ -135,8 +129,6 @@ static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *x
 }
 #endif
 
-int uag_use_vnni(void);       /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
-int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI */
 
 /* AVX-512 VNNI, for several rows (the assistant's catch-up forward): one 64-byte load holds two
  * of a block's four vectors; the activations are laid out to match once per call (xe: per row

@@ -27,13 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* AVX-VNNI's intrinsics need GCC 11 or clang 12: older compilers build the other paths only. */
-#if !defined(UAG_NO_AVXVNNI) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#define HAVE_AVXVNNI 1
-#else
-#define HAVE_AVXVNNI 0
-#endif
+#include "simd.h"
 
 #define LANES 8 /* outputs per vector */
 #define QK 4    /* consecutive inputs per output in one 32-bit lane */
