@@ -53,18 +53,23 @@ def test_real_target_rows_are_bitwise_invariant(real_pair):
 
 
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
-def test_real_screened_head_is_the_fp32_argmax(real_pair):
+def test_real_screened_head_is_the_fp32_argmax(real_pair, plain_target):
     """Gemma's int8-screened head picks exactly the fp32 head's token at every position of real
-    text (and computes that token's logit exactly), with only a few dozen exact rows per position."""
+    text (and computes that token's logit exactly), with only a few dozen exact rows per position;
+    its exact blocks (no fp32 copy kept) give the fp32 head's logits bitwise."""
     from uag.screened import ScreenedHead
 
     lm = real_pair.target_lm
     screened = lm._greedy.fast
     assert isinstance(screened, ScreenedHead)
+    assert screened.exact is not None and screened.weight is None
     ids = _sample_ids(real_pair)
     lm.reset(ids, rollback=False)
     hidden = lm.forward()  # [n, h]: every position of the sample
-    full = native.NativeLinear(lm.head)(hidden)
+    fp32_head = plain_target.model.get_output_embeddings()  # the checkpoint's own fp32 weight
+    full = native.NativeLinear(fp32_head, exact_blocks=False)(hidden)
+    assert torch.equal(screened.full_head()(hidden), full)
+    assert torch.equal(lm.full_logits(hidden), full)  # what sampling reads
     top = full.argmax(-1)
     default = screened.RESCREEN
     try:  # the default, and rows with > 256 candidates narrowed by a second level
@@ -140,11 +145,13 @@ def test_long_prompt_past_sliding_window(real_pair):
     assert any(r.accepted_candidates < r.candidates for r in out.iterations)
 
 
-def test_gemma_logits_after_crop_equal_fresh_prefill(real_pair):
-    model = real_pair.target.model
+def test_gemma_logits_after_crop_equal_fresh_prefill(real_pair, plain_target):
+    """Past the sliding window, a rolled-back cache gives a fresh prefill's logits: on the
+    pair's prepared target (native kernels, no Transformers model) and on the stock one."""
     ids = real_pair.target.tokenizer(" ".join(["word"] * 620))["input_ids"]
-    after, expected = logits_after_crop_and_fresh(model, ids, [1000, 2000, 3000], 4000)
-    torch.testing.assert_close(after, expected, rtol=1e-3, atol=1e-3)
+    for model in (real_pair.target_lm, plain_target.model):
+        after, expected = logits_after_crop_and_fresh(model, ids, [1000, 2000, 3000], 4000)
+        torch.testing.assert_close(after, expected, rtol=1e-3, atol=1e-3)
 
 
 def test_eos_ids_are_each_models_own(real_pair):

@@ -18,11 +18,12 @@ def one_clean_line(capsys) -> str:
 
 
 def logits_after_crop_and_fresh(model, ids: list[int], rejected: list[int], next_id: int):
-    """Logits for ``next_id`` after feeding ``rejected`` and cropping it away, and from a fresh
+    """(``model``: a Transformers model, or a ``CachedLM`` to run twins of.) Logits for ``next_id`` after feeding ``rejected`` and cropping it away, and from a fresh
     prefill of the same sequence: a correct rollback makes them equal."""
     from uag.runner import CachedLM
 
-    lm = CachedLM(model)
+    make = model.twin if isinstance(model, CachedLM) else lambda: CachedLM(model)
+    lm = make()
     lm.reset(ids, rollback=True)
     lm.forward()
     lm.ids.extend(rejected)
@@ -30,7 +31,7 @@ def logits_after_crop_and_fresh(model, ids: list[int], rejected: list[int], next
     lm.truncate(len(ids))
     lm.ids.append(next_id)
     after = lm.logits(lm.forward()[-1:])
-    fresh = CachedLM(model)
+    fresh = make()
     fresh.reset([*ids, next_id], rollback=False)
     return after, fresh.logits(fresh.forward()[-1:])
 

@@ -168,6 +168,10 @@ def load_pair(
         check_reference(ref)
     dev = resolve_device(device)
     mode = resolve_kernels(kernels, dev, resolve_dtype(dtype, dev))  # refuse before loading
+    if mode == "native":
+        pair = _prepared_pair(target, assistant, assistant_int8=assistant_int8)
+        if pair is not None:
+            return pair
     tgt = load_model(target, device=device, dtype=dtype)
     ast = load_model(assistant, device=device, dtype=dtype)
     if assistant_int8:
@@ -175,6 +179,29 @@ def load_pair(
             raise UagError("--assistant-int8 needs the assistant on CPU in float32")
         ast.model = quantize_int8(ast.model, backend="native" if mode == "native" else None)
     return make_pair(tgt, ast, assistant_int8=assistant_int8, kernels=kernels)
+
+
+def _prepared_pair(target: str, assistant: str, *, assistant_int8: bool) -> Pair | None:
+    """The pair from prepared files (``uag.prepared``: built on the first start), or None where
+    either model cannot be prepared. Its ``LoadedModel.model`` is None: no Transformers model
+    is loaded."""
+    from uag import prepared
+
+    tgt = prepared.load(target, role="target")
+    if tgt is None:
+        return None
+    ast = prepared.load(assistant, role="assistant-int8" if assistant_int8 else "assistant")
+    if ast is None:
+        return None
+    (tgt_model, tgt_parts), (ast_model, ast_parts) = tgt, ast
+    target_lm, assistant_lm = tgt_parts.cached_lm(), ast_parts.cached_lm()
+    bridge = Bridge.for_tokenizers(
+        target=tgt_model.tokenizer,
+        assistant=ast_model.tokenizer,
+        target_vocab=target_lm.vocab_size,
+        assistant_vocab=assistant_lm.vocab_size,
+    )
+    return Pair(tgt_model, ast_model, bridge, target_lm, assistant_lm, assistant_int8, "native")
 
 
 def make_pair(
@@ -213,14 +240,11 @@ def make_pair(
 
 
 def _calibrate(lm: CachedLM, tokenizer: Any, head: Any) -> None:
-    """Choose the screened head's exact channels from the target's own hidden states, once per
-    model (``uag.screened``: only speed depends on the choice)."""
-    from uag.screened import CALIBRATION_TEXT, ScreenedHead
+    """Choose the screened head's exact channels (``uag.screened``: only speed depends on it)."""
+    from uag.screened import ScreenedHead, calibrate
 
-    if isinstance(head, ScreenedHead) and not head.calibrated:
-        lm.reset(tokenizer(CALIBRATION_TEXT)["input_ids"], rollback=False)
-        head.calibrate(lm.forward())
-        lm.reset([], rollback=False)
+    if isinstance(head, ScreenedHead):
+        calibrate(lm, tokenizer, head)
 
 
 def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:

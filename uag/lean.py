@@ -18,12 +18,19 @@ replaces only what surrounds them:
   kernels each layer of a forward of up to 16 rows is one call into ``csrc/layer.c``
   (``uag.native_layer``), also row by row.
 
-Anything else (other architectures, attention soft-capping, bidirectional attention) keeps the
-Transformers path: ``lean_body_for`` returns None and ``CachedLM`` falls back.
+Once built, a ``LeanBody`` holds plain tensors and uag's own modules only (embedding rows, rotary
+frequencies, norms, linears), no Transformers object: ``uag.prepared`` saves a converted one and
+memory-maps it on later starts, without importing or building the Transformers model.
+
+Anything else (other architectures, attention soft-capping, bidirectional attention, rotary
+embeddings whose frequencies change with the length) keeps the Transformers path:
+``lean_body_for`` returns None and ``CachedLM`` falls back.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,12 +86,88 @@ class LeanCache:
         return self.length
 
 
+class _Embedding:
+    """Token rows times the model's embedding scale (Gemma: √hidden, as Transformers applies it).
+
+    The rows come from the weight in whatever exact form the native kernels hold it (the
+    screened head's blocks when the embedding is tied to the head, else the embedding's own
+    blocks), or from the fp32 weight itself: the same values either way.
+    """
+
+    def __init__(self, module: Any, *, exact: Any = None) -> None:
+        self.weight: torch.Tensor | None = None if exact is not None else module.weight.detach()
+        self.exact = exact
+        """A ``uag.native.NativeLinear`` holding the same rows exactly (or None)."""
+        scale = getattr(module, "embed_scale", None)
+        self.scale = None if scale is None else scale.to(module.weight.dtype)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.exact is not None:
+            rows = self.exact.rows(ids)
+        else:
+            assert self.weight is not None
+            rows = F.embedding(ids, self.weight)
+        return rows if self.scale is None else rows * self.scale
+
+
+class _Rope:
+    """Rotary cos/sin per layer kind, computed as Transformers' Llama and Gemma 3 modules do
+    (position times inverse frequency, doubled, cos/sin times the attention scaling), from
+    their own frequency tables (any rope type whose tables do not change with the length)."""
+
+    def __init__(self, rotary: Any, kinds: list[str], *, gemma: bool) -> None:
+        self.tables: dict[str, tuple[torch.Tensor, float]] = {}
+        for kind in sorted(set(kinds)):
+            if gemma:
+                inv = getattr(rotary, f"{kind}_inv_freq")
+                scaling = getattr(rotary, f"{kind}_attention_scaling")
+            else:
+                inv, scaling = rotary.inv_freq, rotary.attention_scaling
+            self.tables[kind] = (inv.detach().float().clone(), float(scaling))
+
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``positions`` ``[n]`` → ``{kind: (cos [n, d], sin [n, d])}``."""
+        out = {}
+        for kind, (inv, scaling) in self.tables.items():
+            freqs = positions[:, None].float() * inv.to(positions.device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            out[kind] = (
+                (emb.cos() * scaling).to(dtype).contiguous(),
+                (emb.sin() * scaling).to(dtype).contiguous(),
+            )
+        return out
+
+
+def _rope_is_static(rotary: Any) -> bool:
+    """Whether the rotary tables stay fixed (dynamic and longrope types rescale with length)."""
+    types = getattr(rotary, "rope_type", "default")
+    kinds = types.values() if isinstance(types, dict) else [types]
+    return all("dynamic" not in t and t != "longrope" for t in kinds)
+
+
+_GELU_TANH = functools.partial(F.gelu, approximate="tanh")
+
+
+def _activation(module: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The function Transformers' activation module computes (picklable), or None if unknown."""
+    name = type(module).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return F.silu
+    if name in ("GELUTanh", "PytorchGELUTanh"):
+        act = getattr(module, "act", None)
+        if isinstance(act, functools.partial) and act.func is F.gelu:
+            return _GELU_TANH
+    return None
+
+
 class _Norm:
     """RMS norm as one fused op (``F.rms_norm``): Llama's weight, Gemma's ``1 + weight``."""
 
     def __init__(self, module: Any, *, gemma: bool) -> None:
         weight = module.weight.detach().float()
-        self.weight = 1.0 + weight if gemma else weight
+        self.weight = 1.0 + weight if gemma else weight.clone()  # its own storage, not the file's
         self.eps = float(getattr(module, "eps", getattr(module, "variance_epsilon", 1e-6)))
         self.shape = (int(weight.shape[0]),)
 
@@ -120,12 +203,9 @@ class _Layer:
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.qkv = fuse([self.q, self.k, self.v])
         self.splits = [int(m.out_features) for m in (self.q, self.k, self.v)]
-        self.gate, self.up, self.down, self.act = (
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-            mlp.act_fn,
-        )
+        act = _activation(mlp.act_fn)
+        assert act is not None, "lean_body_for checks the activation"
+        self.gate, self.up, self.down, self.act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, act
         self.gate_up = fuse([self.gate, self.up])
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,26 +225,41 @@ class LeanBody:
     """``model.base_model`` for one sequence: ``(ids [n], cache) → last hidden states [n, h]``."""
 
     def __init__(self, model: Any) -> None:
-        self.body = model.base_model
+        body = model.base_model
         config = model.config
         self.gemma = config.model_type == "gemma3_text"
         self.layer_types: list[str] = list(
             getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         )
         self.window: int | None = getattr(config, "sliding_window", None)
-        attn = self.body.layers[0].self_attn
+        attn = body.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
         self.kv_heads = int(config.num_key_value_heads)
         self.groups = int(config.num_attention_heads) // self.kv_heads
         self.scaling = float(attn.scaling)
-        self.layers = [_Layer(layer, gemma=self.gemma) for layer in self.body.layers]
-        self.final_norm = _Norm(self.body.norm, gemma=self.gemma)
+        self.layers = [_Layer(layer, gemma=self.gemma) for layer in body.layers]
+        self.final_norm = _Norm(body.norm, gemma=self.gemma)
+        self.embed = _Embedding(body.embed_tokens, exact=_exact_rows(model))
+        self.rope = _Rope(body.rotary_emb, self.layer_types, gemma=self.gemma)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self._attach_native()
+
+    def _attach_native(self) -> None:
         from uag.native_layer import NativeLayers
 
         self.native = NativeLayers.for_body(self)
         """Each layer as one ``layer.c`` call (forwards of ≤ 16 rows), where the kernels allow."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the C structs (rebuilt on load: they point into this process)."""
+        state = self.__dict__.copy()
+        state.pop("native", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._attach_native()
 
     def new_cache(self) -> LeanCache:
         return LeanCache(
@@ -180,16 +275,9 @@ class LeanBody:
         """Feed ``ids`` (``[n]``) after the ``cache.length`` positions already cached."""
         start, n = cache.length, int(ids.shape[0])
         cache.reserve(start + n)
-        positions = torch.arange(start, start + n, device=self.device)[None]  # [1, n]
-        hidden = self.body.embed_tokens(ids)  # [n, h]
-        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for kind in set(self.layer_types):
-            cos, sin = (
-                self.body.rotary_emb(hidden, positions, kind)
-                if self.gemma
-                else self.body.rotary_emb(hidden, positions)
-            )
-            rope[kind] = (cos[0].contiguous(), sin[0].contiguous())  # [n, d]
+        positions = torch.arange(start, start + n, device=self.device)  # [n]
+        hidden = self.embed(ids)  # [n, h]
+        rope = self.rope(positions, hidden.dtype)  # {kind: ([n, d], [n, d])}
         if self.native is not None and n <= ROWWISE_MAX_ROWS:
             hidden = self.native(hidden.contiguous(), cache, start, rope)
             cache.length = start + n
@@ -302,4 +390,24 @@ def lean_body_for(model: Any) -> LeanBody | None:
         return None
     if config.model_type == "llama" and getattr(config, "sliding_window", None):
         return None
+    if not _rope_is_static(model.base_model.rotary_emb):
+        return None
+    if any(_activation(layer.mlp.act_fn) is None for layer in model.base_model.layers):
+        return None
     return LeanBody(model)
+
+
+def _exact_rows(model: Any) -> Any:
+    """A native, exact copy of the embedding's rows when the model runs on native kernels: the
+    screened head's blocks if the embedding is tied to the head, else the embedding's own
+    blocks (GGUF's Q8_0: a quarter of the fp32 bytes); None keeps the fp32 weight."""
+    from uag.native import NativeLinear
+
+    if not any(isinstance(m, NativeLinear) for m in model.modules()):
+        return None
+    weight = model.base_model.embed_tokens.weight
+    head = getattr(model, "_uag_fast_head", None)
+    exact = getattr(head, "exact", None)
+    if exact is not None and getattr(model.get_output_embeddings(), "weight", None) is weight:
+        return exact
+    return NativeLinear.exact_blocks_of(weight.detach())

@@ -81,7 +81,8 @@ class LoadedModel:
 
     ref: str
     model: Any
-    """A Transformers ``*ForCausalLM`` in eval mode."""
+    """A Transformers ``*ForCausalLM`` in eval mode; None for a prepared model
+    (``uag.prepared``), which runs without one."""
     tokenizer: Any
     eos_ids: frozenset[int]
     """Token ids that end generation for this model, in its own vocabulary."""

@@ -521,6 +521,83 @@ class NativeLinear(nn.Module):
         self._fn = self.lib.uag_linear_q4
         self.invariance = "invariant"
 
+    @classmethod
+    def exact_blocks_of(cls, weight: torch.Tensor) -> NativeLinear | None:
+        """``weight`` ``[out, in]`` held in exact block storage (``block_int8`` or
+        ``block_affine``), or None where it has neither form: never an fp32 copy."""
+        lib = _library()[0]
+        if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        for name, find in (("block_int8", block_int8), ("block_affine", block_affine)):
+            found = find(weight, lib)
+            if found is not None:
+                layer = cls.__new__(cls)
+                nn.Module.__init__(layer)
+                layer.lib, layer.q4 = lib, False
+                part = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+                layer._init_blocked(part, *found, exact_format=name)
+                return layer
+        return None
+
+    def __getstate__(self) -> dict[str, object]:
+        """Everything but the library handles (``uag.prepared`` saves prepared layers)."""
+        state = self.__dict__.copy()
+        state.pop("lib", None)
+        state.pop("_fn", None)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        lib = _library()[0]
+        if lib is None:
+            raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
+        self.lib = lib
+        self._fn = (
+            lib.uag_linear_q4
+            if self.q4
+            else lib.uag_linear_b8
+            if self.exact_format == "block_int8"
+            else lib.uag_linear_a8
+            if self.exact_format == "block_affine"
+            else lib.uag_linear_i8
+            if self.int8
+            else lib.uag_linear_f32
+        )
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` as fp32 ``[len(ids), in]``, exactly as the kernel multiplies them
+        (an embedding lookup or the screened head's exact candidates, without an fp32 copy of
+        the whole matrix)."""
+        if self.q4 or (self.int8 and not self.blocked):
+            raise ValueError("rows(): only fp32 and exact block storage hold the weights exactly")
+        ids = ids.long()
+        w = self.weight_ilv[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [n, steps, k_step]
+        w = w.reshape(len(ids), -1)[:, : self.in_features].float()
+        if self.exact_format == "block_int8":
+            s = self.block_scales[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [n, K/32]
+            return w * s.repeat_interleave(BLOCK_K, dim=1)
+        if self.exact_format == "block_affine":
+            p = self.block_scales[ids // BLOCK_ROWS, :, :, ids % BLOCK_ROWS]  # [n, K/16, 2]
+            p = p.repeat_interleave(AFFINE_K, dim=1)
+            return (w * p[..., 0]) + p[..., 1]
+        return w
+
+    def columns(self, channels: torch.Tensor) -> torch.Tensor:
+        """Weight columns ``channels`` as fp32 ``[out, len(channels)]``, exactly as ``rows``."""
+        if not self.blocked and (self.q4 or self.int8):
+            raise ValueError(
+                "columns(): only fp32 and exact block storage hold the weights exactly"
+            )
+        c = channels.long()
+        w = self.weight_ilv[:, c // self.k_step, :, c % self.k_step]  # [C, N/8, 8]
+        w = w.permute(1, 0, 2).float()  # [N/8, C, 8]
+        if self.exact_format == "block_int8":
+            w = w * self.block_scales[:, c // BLOCK_K, :]
+        elif self.exact_format == "block_affine":
+            p = self.block_scales[:, c // AFFINE_K]  # [N/8, C, 2, 8]
+            w = (w * p[:, :, 0]) + p[:, :, 1]
+        return w.permute(0, 2, 1).reshape(self.padded_out, len(c))[: self.out_features]
+
     @property
     def blocked(self) -> bool:
         """Weights held in blocks equal to the fp32 ones (bitwise fp32 results)."""

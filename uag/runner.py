@@ -8,6 +8,7 @@ it needs: the target needs an argmax per position, the assistant a full distribu
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,15 +31,60 @@ class CachedLM:
         lean: bool = True,
     ) -> None:
         self.model = model
+        """The Transformers model (None when built ``from_lean``)."""
         self.body = model.base_model
         self.lean: LeanBody | None = lean_body_for(model) if lean else None
         """The lean forward (``uag.lean``) where the architecture allows; else Transformers'."""
-        self.head = model.get_output_embeddings()
-        self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
-        self.device = next(model.parameters()).device
-        self.vocab_size = int(self.head.out_features)
+        self._setup(
+            head=model.get_output_embeddings(),
+            softcap=getattr(model.config, "final_logit_softcapping", None),
+            device=next(model.parameters()).device,
+            greedy_head=greedy_head,
+            fast_head=fast_head,
+        )
+
+    @classmethod
+    def from_lean(
+        cls,
+        lean: LeanBody,
+        *,
+        head: nn.Module,
+        softcap: float | None,
+        greedy_head: bool = False,
+        fast_head: nn.Module | None = None,
+    ) -> CachedLM:
+        """A model that exists only as its lean forward and heads (``uag.prepared``): no
+        Transformers object behind it."""
+        self = cls.__new__(cls)
+        self.model = self.body = None
+        self.lean = lean
+        self._setup(
+            head=head,
+            softcap=softcap,
+            device=lean.device,
+            greedy_head=greedy_head,
+            fast_head=fast_head,
+        )
+        return self
+
+    def _setup(
+        self,
+        *,
+        head: nn.Module,
+        softcap: float | None,
+        device: torch.device,
+        greedy_head: bool,
+        fast_head: nn.Module | None,
+    ) -> None:
+        self.head = head
+        """The LM head ``logits`` multiplies by (the model's own, or a native copy)."""
+        self.softcap = softcap
+        self.device = device
+        self.vocab_size = int(head.out_features)  # type: ignore[arg-type]
         self._greedy = (
-            GreedyHead(self.head.weight, self.head.bias, fast=fast_head) if greedy_head else None
+            GreedyHead(getattr(head, "weight", None), getattr(head, "bias", None), fast=fast_head)
+            if greedy_head
+            else None
         )
         self.row_invariant = False
         """A position's logits do not depend on how many positions share the forward (bitwise),
@@ -47,6 +93,12 @@ class CachedLM:
         self.cached = 0
         self.cache: Any = None
         self._full: nn.Module | None = None
+
+    def twin(self) -> CachedLM:
+        """Another sequence on the same model and heads, with its own ids and cache."""
+        other = copy.copy(self)
+        other.ids, other.cached, other.cache = [], 0, None
+        return other
 
     def reset(self, ids: Sequence[int], *, rollback: bool) -> None:
         """Start a new sequence (a fresh cache; nothing fed yet).
@@ -122,12 +174,11 @@ class CachedLM:
         return out
 
     def _full_head(self) -> nn.Module:
-        from uag.native import NativeLinear
         from uag.screened import ScreenedHead
 
         fast = self._greedy.fast if self._greedy is not None else None
         if isinstance(fast, ScreenedHead):
-            return NativeLinear(self.head)
+            return fast.full_head()
         return fast if fast is not None else self.head
 
     @torch.inference_mode()
@@ -151,8 +202,10 @@ class GreedyHead:
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, fast: nn.Module | None
+        self, weight: torch.Tensor | None, bias: torch.Tensor | None, *, fast: nn.Module | None
     ) -> None:
+        if weight is None and fast is None:
+            raise ValueError("GreedyHead needs the head's weight or a fast head")
         self.weight = weight
         self.bias = bias
         self.fast = fast
@@ -166,6 +219,7 @@ class GreedyHead:
         if self.fast is not None:
             logits = self.fast(hidden.float())  # [n, V]
         else:
+            assert self.weight is not None
             logits = torch.nn.functional.linear(
                 hidden.to(self.weight.dtype), self.weight, self.bias
             )

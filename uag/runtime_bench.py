@@ -24,7 +24,6 @@ kernels (body, head, total, ratio to one row): the price of verifying 0–8 cand
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import time
@@ -37,9 +36,9 @@ import torch
 import uag
 from controllers.base import StopPolicy
 from controllers.rules import StaticPolicy
-from uag.api import Pair, make_pair
+from uag.api import Pair
 from uag.bench import transformers_generate
-from uag.kernels import KERNEL_CHOICES, quantize_int8
+from uag.kernels import KERNEL_CHOICES
 
 
 @dataclass
@@ -67,9 +66,7 @@ def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[s
     torch.manual_seed(0)
     stock = uag.load_pair(kernels="plain")  # Transformers' arms: the models as loaded
     pair = uag.load_pair(kernels=kernels)
-    int8_assistant = copy.copy(pair.assistant)
-    int8_assistant.model = quantize_int8(copy.deepcopy(stock.assistant.model))
-    int8_pair = make_pair(pair.target, int8_assistant, assistant_int8=True, kernels=kernels)
+    int8_pair = uag.load_pair(kernels=kernels, assistant_int8=True)  # as --assistant-int8 runs
     assistant_model = stock.assistant.model
     assistant_model.generation_config.num_assistant_tokens = lookahead
     assistant_model.generation_config.num_assistant_tokens_schedule = "constant"

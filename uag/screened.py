@@ -15,6 +15,11 @@ locates it up to a known error. ``ScreenedHead``:
 3. keeps as candidates every row whose interval can reach the best lower bound, and computes
    those exactly in fp32 (the native kernel on the gathered rows of the original weight).
 
+Where the head's weights are exactly an fp16 scale times small integers per block (Gemma's
+Q8_0 head), the original is held as those blocks (``exact``: 190 MB instead of 671 MB of fp32)
+and candidate rows, outlier columns and the full head that sampling reads all come from them;
+the fp32 weight is not kept. Other heads keep the fp32 original for those reads.
+
 Why outlier channels: a handful of Gemma 3's final hidden channels are ~10-20x the others
 (max |x| ~20x the mean), and 7 bits spread over them leave a bound that admits thousands of
 candidates per row (a median of 1,130 on HumanEval). ``calibrate`` picks the 16 channels largest
@@ -35,6 +40,8 @@ controller's confidence features are computed from.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +87,13 @@ class ScreenedHead(nn.Module):
 
     def __init__(self, head: nn.Linear) -> None:
         super().__init__()
-        self.weight = head.weight.detach()
-        """The original fp32 weight: only candidate rows (and outlier columns) are read."""
-        self.bias = None if head.bias is None else head.bias.detach().float()
+        self.exact = NativeLinear.exact_blocks_of(head.weight.detach().float())
+        """The weight in exact block storage (bitwise the fp32 values), where it has that form."""
+        self.weight = None if self.exact is not None else head.weight.detach()
+        """Otherwise the original fp32 weight: only candidate rows (and outlier columns) are
+        read."""
+        self.bias = None if head.bias is None else head.bias.detach().float().clone()
+        self._full: nn.Module | None = None
         self.approx = NativeLinear(head, int8=True, dynamic=True)
         self.out_features = self.approx.out_features
         self.in_features = self.approx.in_features
@@ -105,10 +116,14 @@ class ScreenedHead(nn.Module):
         self.outliers = channels
         from uag.kernels import release_pages
 
-        wo = self.weight[:, channels].float()
+        if self.exact is not None:
+            wo = self.exact.columns(channels)
+        else:
+            assert self.weight is not None
+            wo = self.weight[:, channels].float()
+            release_pages(self.weight)  # gathering columns read every page of the original
         self.exact_weight = interleave(wo).contiguous()
         """Their fp32 weights in the kernels' layout (``[V/8, O, 8, 1]``)."""
-        release_pages(self.weight)  # gathering columns read every page of the original
         abs_q = self._abs_q.clone()
         blocks = self.approx.weight_ilv
         for c in channels.tolist():  # those channels' weights are not in the 7-bit product
@@ -124,6 +139,25 @@ class ScreenedHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.greedy(hidden)[1]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The head's fp32 weight rows ``ids`` (``[len(ids), h]``)."""
+        if self.exact is not None:
+            return self.exact.rows(ids)
+        assert self.weight is not None
+        return self.weight[ids].float()
+
+    def full_head(self) -> nn.Module:
+        """Every logit exactly in fp32 (what sampling reads): the exact blocks themselves, or an
+        fp32 native copy of the original (+671 MB for Gemma), built on first use."""
+        if self.exact is not None:
+            return self.exact
+        if self._full is None:
+            assert self.weight is not None
+            part = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+            part.weight = nn.Parameter(self.weight, requires_grad=False)
+            self._full = NativeLinear(part, exact_blocks=False)
+        return self._full
 
     def greedy(self, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """``hidden [..., h]`` → (fp32 argmax per row, logits ``[..., V]``).
@@ -142,7 +176,7 @@ class ScreenedHead(nn.Module):
             rows, cols = self._candidates(logits, norms, missed)
         self.last_candidates = int(cols.numel())
         union, where = torch.unique(cols, return_inverse=True)
-        exact = _exact_product(x, self.weight[union], self.bias, union)[rows, where]
+        exact = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
         logits[rows, cols] = exact
         ids = []
         for r in range(x.shape[0]):  # candidates are sorted by id within a row: ties go low
@@ -197,3 +231,13 @@ def _exact_product(
     if bias is not None:
         part.bias = nn.Parameter(bias[ids], requires_grad=False)
     return NativeLinear(part, exact_blocks=False)(x)  # a few rows: not worth the search
+
+
+def calibrate(lm: Any, tokenizer: Any, head: ScreenedHead) -> None:
+    """Choose ``head``'s exact channels from the model's own hidden states over
+    ``CALIBRATION_TEXT`` (``lm``: the ``uag.runner.CachedLM`` it serves), once per model."""
+    if head.calibrated:
+        return
+    lm.reset(tokenizer(CALIBRATION_TEXT)["input_ids"], rollback=False)
+    head.calibrate(lm.forward())
+    lm.reset([], rollback=False)
