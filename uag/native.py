@@ -284,6 +284,28 @@ def interleave(weight: torch.Tensor, k_step: int = K_STEP) -> torch.Tensor:
     )
 
 
+def fp32_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias)`` on ``skinny.c``'s fp32 path without building a
+    module: bitwise what an fp32 ``NativeLinear`` of ``weight`` computes (each output on its
+    own), for small matrices gathered per call (the screened head's candidate rows)."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
+    n, k = weight.shape
+    packed = interleave(weight.float())
+    padded = packed.shape[0] * BLOCK_ROWS
+    b = None if bias is None else F.pad(bias.float(), (0, padded - n))
+    rows = x.float().contiguous()
+    y = torch.empty(rows.shape[0], padded)
+    lib.uag_linear_f32(
+        rows.data_ptr(), k, rows.shape[0], k, packed.data_ptr(), None, padded,
+        None if b is None else b.data_ptr(), y.data_ptr(), padded,
+    )  # fmt: skip
+    return y[:, :n]
+
+
 def block_int8(
     weight: torch.Tensor, lib: ctypes.CDLL | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uag.native import NativeLinear, interleave
+from uag.native import NativeLinear, fp32_product, interleave
 
 CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts flew 384,400 km.\n"
@@ -226,11 +226,7 @@ def _exact_product(
 ) -> torch.Tensor:
     """``x @ rows.T (+ bias[ids])`` on the native fp32 kernel: the same value for a (row, id)
     pair as a full fp32 head on that kernel would give, whatever else is in the call."""
-    part = nn.Linear(rows.shape[1], rows.shape[0], bias=bias is not None, device="meta")
-    part.weight = nn.Parameter(rows.float(), requires_grad=False)
-    if bias is not None:
-        part.bias = nn.Parameter(bias[ids], requires_grad=False)
-    return NativeLinear(part, exact_blocks=False)(x)  # a few rows: not worth the search
+    return fp32_product(x, rows, None if bias is None else bias[ids])
 
 
 def calibrate(lm: Any, tokenizer: Any, head: ScreenedHead) -> None:
