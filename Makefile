@@ -25,7 +25,7 @@ DEMO := runs/demo
 ## The main job on the embedded default models (Gemma 3 270M <- SmolLM2 135M), ~4 min on 2 cores once installed:
 ## prepare models -> a small collect -> train a controller -> generate with the shipped one -> bench.
 demo: $(STAMP)
-	@echo "== 1/5 models: convert the embedded GGUF files once (cached in $${UAG_CACHE:-~/.cache/uag})"
+	@echo "== 1/5 models: convert the embedded GGUF files and prepare them once (cached in $${UAG_CACHE:-~/.cache/uag})"
 	$(BIN)/uag models prepare gemma-3-270m smollm2-135m
 	@echo "== 2/5 collect: draft 6 tokens every round on 6 training prompts, log features + acceptance"
 	$(BIN)/uag collect --prompts mixed:train --limit 6 --max-new-tokens 32 --max-lookahead 6 \

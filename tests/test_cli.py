@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests.tiny import one_clean_line
+from uag import native
 from uag.cli import COMMANDS, build_parser, main
 
 
@@ -194,7 +195,10 @@ def test_bench_success_path_from_the_cli(tiny_dirs, tmp_path, capsys):
 
 def test_models_prepare_success_path(capsys):
     assert main(["models", "prepare", "gemma-3-270m"]) == 0  # converted once per cache: quick
-    assert "gemma-3-270m: ready at" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gemma-3-270m: converted at" in out
+    if native.native_unavailable() is None:  # and built for what later starts memory-map
+        assert "gemma-3-270m: prepared as target" in out
 
 
 def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
@@ -249,3 +253,60 @@ def test_the_runtime_never_imports_lightning():
     ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.strip() == "[]"
+
+
+SETTLED_LATER = {"target", "assistant", "assistant_int8"}
+"""Model flags left None so a --controller's training settings can fill them (then defaults)."""
+SAMPLING_FLAGS = {"sample", "temperature", "top_p", "top_k", "seed"}
+"""Flags that become one ``sampling`` field (``cli.sampling_config``)."""
+
+
+@pytest.mark.parametrize(
+    ("command", "config", "required", "cli_only", "internal", "derived"),
+    [
+        (
+            "collect",
+            "uag.collect:CollectConfig",
+            ["--prompts", "p", "--out", "o"],
+            SAMPLING_FLAGS,
+            {"launched", "profile_repeats", "sampling"},
+            {"shard"},  # "i/n" text, or the launcher's rank: parsed by the command
+        ),
+        (
+            "bench",
+            "uag.bench:BenchConfig",
+            ["--prompts", "p"],
+            SAMPLING_FLAGS,
+            {"progress", "sampling"},
+            {"policies"},  # depends on --sample
+        ),
+        (
+            "train-controller",
+            "training.config:TrainConfig",
+            ["--data", "d"],
+            set(),
+            {"progress", "val_fraction"},
+            set(),
+        ),
+    ],
+)
+def test_flags_are_the_config_fields_with_their_defaults(
+    command, config, required, cli_only, internal, derived
+):
+    """Each job's flags map onto its config dataclass by name (``cli.config_from_args``): every
+    flag is a field unless declared command-line only, every field a flag unless declared
+    internal, and a flag's default is the field's (one place to change either)."""
+    import importlib
+    from dataclasses import fields
+
+    from uag.cli import build_parser, default_of
+
+    module, _, name = config.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    args = vars(build_parser().parse_args([command, *required]))
+    args.pop("command")
+    names = {f.name for f in fields(cls) if f.init}
+    assert set(args) - names == cli_only
+    assert names - set(args) == internal
+    for flag in set(args) & names - {"prompts", "out", "data"} - SETTLED_LATER - derived:
+        assert args[flag] == default_of(cls, flag), flag

@@ -14,52 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from training import replay
+from training.config import TrainConfig
 from training.data import Collected, replayable
 from training.datamodule import ControllerDataModule
 from training.export import export_onnx
 from training.model import ControllerNet
 from training.module import ControllerModule, iterations_with_scores, predict
 from uag.errors import UagError
-
-
-@dataclass
-class TrainConfig:
-    """How to train a controller (each field is a ``uag train-controller`` flag)."""
-
-    data: list[Path]
-    """One or more ``uag collect`` output directories with the same schema."""
-    out: Path = Path("exports/ctrl.onnx")
-    logdir: Path = Path("runs")
-    max_epochs: int = 30
-    hidden: tuple[int, ...] = (32, 32)
-    seed: int = 0
-    batch_size: int = 512
-    lr: float = 3e-3
-    val_fraction: float = 0.25
-    """Share of prompts (not rows) held out for validation and threshold choice."""
-    accelerator: str = "auto"
-    devices: str = "auto"
-    strategy: str = "auto"
-    num_nodes: int = 1
-    gate: bool = True
-    """Learn a gate that may skip drafting a round; False: only the stop rule (gate 0)."""
-    allow_mixed: bool = False
-    """Train on runs of different pairs, assistant precision, decoding or latency device."""
-    decision: str = "cost"
-    """How the exported controller decides: ``cost`` (expected tokens per second under the
-    carried latency profile, ``controllers.cost``) or ``threshold`` (score thresholds chosen by
-    replay on the validation prompts)."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_epochs < 1:
-            raise UagError(f"--max-epochs must be at least 1, got {self.max_epochs}")
-        if not self.hidden or min(self.hidden) < 1:
-            raise UagError(f"--hidden must be positive widths like 32,32, got {self.hidden}")
-        if not 0 < self.val_fraction < 1:
-            raise UagError(f"validation fraction must be in (0, 1), got {self.val_fraction}")
-        if self.decision not in ("cost", "threshold"):
-            raise UagError(f"--decision must be cost or threshold, got {self.decision!r}")
 
 
 @dataclass

@@ -13,12 +13,19 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
+from training.config import TrainConfig
+from uag.bench import BenchConfig
+from uag.collect import CollectConfig
 from uag.errors import UagError
+from uag.jobs import RunConfig
 from uag.kernels import KERNEL_CHOICES
+from uag.prepared import ROLES as PREPARED_ROLES
+
+Config = TypeVar("Config")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +42,27 @@ class Command:
     help: str
     add_args: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of config field ``name``: the one place a flag's default is written."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+    raise KeyError(f"{cls.__name__} has no default for {name!r}")
+
+
+def config_from_args(cls: type[Config], args: argparse.Namespace, **given: Any) -> Config:
+    """``cls`` (a config dataclass) from the parsed flags named like its fields, plus ``given``
+    (values the command derives: shards, sampling): flag → field is written once, here, not
+    once per command (``tests/test_cli.py`` checks every flag has a field or is declared
+    command-line only, and that the defaults agree)."""
+    names = {f.name for f in fields(cls) if f.init}  # type: ignore[arg-type]
+    values = {k: v for k, v in vars(args).items() if k in names}
+    return cls(**{**values, **given})
 
 
 def _positive_int(value: str) -> int:
@@ -64,12 +92,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--device",
-        default="auto",
+        default=default_of(RunConfig, "device"),
         help="auto (CUDA when present), cpu or cuda (default: %(default)s)",
     )
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=default_of(RunConfig, "dtype"),
         help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
     )
     p.add_argument(
@@ -82,7 +110,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kernels",
-        default="auto",
+        default=default_of(RunConfig, "kernels"),
         choices=list(KERNEL_CHOICES),
         help="linear kernels on a float32 CPU: auto picks native (uag's own AVX2 kernel, built "
         "once with the C compiler: each weight read once per step, bitwise equal per row "
@@ -372,12 +400,29 @@ def _add_models_args(p: argparse.ArgumentParser) -> None:
         "prepare", help="convert embedded models or .gguf files into the cache now"
     )
     prep.add_argument("names", nargs="+", help="embedded names or .gguf paths")
+    prep.add_argument(
+        "--as",
+        dest="roles",
+        action="append",
+        choices=PREPARED_ROLES,
+        help="also build the prepared model (uag/prepared.py: what later starts memory-map, "
+        "native kernels only) for this role; repeatable (default: target for the default "
+        "target, both assistant roles for the default assistant, target for anything else)",
+    )
+
+
+def _default_roles(name: str) -> tuple[str, ...]:
+    from uag.models import DEFAULT_ASSISTANT
+
+    return ("assistant", "assistant-int8") if name == DEFAULT_ASSISTANT else ("target",)
 
 
 def run_models(args: argparse.Namespace) -> int:
+    import torch
     from tqdm import tqdm
 
-    from uag import models
+    from uag import models, prepared
+    from uag.kernels import resolve_kernels
 
     if getattr(args, "models_cmd", None) == "prepare":
         for name in args.names:
@@ -385,9 +430,19 @@ def run_models(args: argparse.Namespace) -> int:
                 raise UagError(
                     f"cannot prepare {name!r}: give an embedded name ({', '.join(models.EMBEDDED)}) or a .gguf file"
                 )
+        native = resolve_kernels("auto", torch.device("cpu"), torch.float32) == "native"
         for name in tqdm(args.names, desc="preparing models", unit="model"):
             path = models.convert_gguf(name, log=tqdm.write)
-            tqdm.write(f"{name}: ready at {path}")
+            tqdm.write(f"{name}: converted at {path}")
+            if not native:
+                continue  # prepared models are for the native kernels only
+            for role in args.roles or _default_roles(name):
+                found = prepared.load(name, role=role)
+                tqdm.write(
+                    f"{name}: prepared as {role}"
+                    if found is not None
+                    else f"{name}: cannot be prepared as {role} (it loads the usual way)"
+                )
         return 0
     print(f"cache: {models.cache_root()}  (set UAG_CACHE to move it)")
     for name, entry in models.EMBEDDED.items():
@@ -409,7 +464,7 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--text-column",
-        default="text",
+        default=default_of(RunConfig, "text_column"),
         help="column holding the prompt text in local files (default: %(default)s)",
     )
     p.add_argument(
@@ -418,13 +473,13 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-lookahead",
         type=int,
-        default=10,
+        default=default_of(CollectConfig, "max_lookahead"),
         help="tokens drafted every iteration; drafting never stops earlier (default: %(default)s)",
     )
     p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
-        default=128,
+        default=default_of(RunConfig, "max_new_tokens"),
         help="target tokens per prompt (default: %(default)s)",
     )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
@@ -464,7 +519,7 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--explore",
         type=float,
-        default=0.0,
+        default=default_of(CollectConfig, "explore"),
         help="with --controller: chance per round of drafting the full --max-lookahead anyway, "
         "so every position gets labels on the states the controller meets; rows log "
         "'explored' and 'propensity' (default: %(default)s)",
@@ -474,7 +529,7 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
 
 def run_collect(args: argparse.Namespace) -> int:
     from uag import launcher
-    from uag.collect import CollectConfig, collect, parse_shard
+    from uag.collect import collect, parse_shard
 
     learned = None
     if args.controller is not None:
@@ -500,30 +555,14 @@ def run_collect(args: argparse.Namespace) -> int:
             )
         shard = launch.shard
         args.device = launch.device(args.device)
-    cfg = CollectConfig(
-        prompts=args.prompts,
-        out=args.out,
-        target=args.target,
-        assistant=args.assistant,
-        text_column=args.text_column,
-        limit=args.limit,
-        max_lookahead=args.max_lookahead,
-        max_new_tokens=args.max_new_tokens,
-        chat=args.chat,
-        resume=args.resume,
-        overwrite=args.overwrite,
+    cfg = config_from_args(
+        CollectConfig,
+        args,
         shard=shard,
         launched=launch is not None and launch.coordinated,
         logdir=(args.logdir or Path("runs") / "collect" / args.out.name)
         / ("" if launch is None else f"rank{launch.rank}"),
-        device=args.device,
-        dtype=args.dtype,
-        assistant_int8=args.assistant_int8,
-        kernels=args.kernels,
-        reprofile=args.reprofile,
         sampling=sampling,
-        controller=args.controller,
-        explore=args.explore,
     )
     s = collect(cfg)
     print(
@@ -562,50 +601,58 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("exports/ctrl.onnx"),
+        default=default_of(TrainConfig, "out"),
         help="ONNX file to write (default: %(default)s)",
     )
     p.add_argument(
         "--logdir",
         type=Path,
-        default=Path("runs"),
+        default=default_of(TrainConfig, "logdir"),
         help="TensorBoard log directory (default: %(default)s)",
     )
     p.add_argument(
         "--max-epochs",
         type=_positive_int,
-        default=30,
+        default=default_of(TrainConfig, "max_epochs"),
         help="training epochs (default: %(default)s)",
     )
     p.add_argument(
         "--hidden",
         type=_hidden,
-        default=(32, 32),
+        default=default_of(TrainConfig, "hidden"),
         help="MLP hidden widths, comma-separated (default: 32,32)",
     )
     p.add_argument(
         "--seed",
         type=int,
-        default=0,
+        default=default_of(TrainConfig, "seed"),
         help="seed for the prompt split and training (default: %(default)s)",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=512)
     p.add_argument(
-        "--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)"
+        "--batch-size",
+        type=_positive_int,
+        default=default_of(TrainConfig, "batch_size"),
+        help="rows per training batch (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=default_of(TrainConfig, "lr"),
+        help="AdamW learning rate (default: %(default)s)",
     )
     p.add_argument(
         "--accelerator",
-        default="auto",
+        default=default_of(TrainConfig, "accelerator"),
         help="Lightning accelerator: auto, cpu, gpu (default: %(default)s)",
     )
     p.add_argument(
         "--devices",
-        default="auto",
+        default=default_of(TrainConfig, "devices"),
         help="Lightning devices, e.g. 1, 4 or auto (default: %(default)s)",
     )
     p.add_argument(
         "--strategy",
-        default="auto",
+        default=default_of(TrainConfig, "strategy"),
         help="Lightning strategy, e.g. ddp for several processes (GPUs, or CPU processes over "
         "gloo with --accelerator cpu --devices N): each takes a share of every batch, so the "
         "controller equals a one-process run's up to float noise; the first process exports "
@@ -614,7 +661,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-nodes",
         type=_positive_int,
-        default=1,
+        default=default_of(TrainConfig, "num_nodes"),
         help="machines for multi-node training (default: %(default)s)",
     )
     p.add_argument(
@@ -634,7 +681,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decision",
         choices=("cost", "threshold"),
-        default="cost",
+        default=default_of(TrainConfig, "decision"),
         help="how the controller decides: cost (draft on while the expected accepted tokens are "
         "worth their draft and verify time under the collected latency profile; no threshold "
         "is tuned) or threshold (stop and skip below scores tuned by replay on the validation "
@@ -643,25 +690,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from training.train import TrainConfig, train
+    from training.train import train
 
-    cfg = TrainConfig(
-        data=args.data,
-        out=args.out,
-        logdir=args.logdir,
-        max_epochs=args.max_epochs,
-        hidden=args.hidden,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        accelerator=args.accelerator,
-        devices=args.devices,
-        strategy=args.strategy,
-        num_nodes=args.num_nodes,
-        gate=args.gate,
-        allow_mixed=args.allow_mixed,
-        decision=args.decision,
-    )
+    cfg = config_from_args(TrainConfig, args)
     summary = train(cfg)
     if summary is None:
         return 0  # another process of a multi-process run reports
@@ -681,7 +712,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="humaneval[:train|:test], a set in data/prompts, or a local file",
     )
     p.add_argument(
-        "--text-column", default="text", help="column holding the prompt text in local files"
+        "--text-column",
+        default=default_of(RunConfig, "text_column"),
+        help="column holding the prompt text in local files (default: %(default)s)",
     )
     p.add_argument(
         "--limit", type=_positive_int, default=None, help="use at most this many prompts"
@@ -689,7 +722,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
-        default=128,
+        default=default_of(RunConfig, "max_new_tokens"),
         help="target tokens per prompt (default: %(default)s)",
     )
     p.add_argument(
@@ -707,7 +740,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats",
         type=_positive_int,
-        default=1,
+        default=default_of(BenchConfig, "repeats"),
         help="runs per prompt and policy (default: %(default)s)",
     )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
@@ -721,7 +754,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES, BenchConfig, run_bench, write_report
+    from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES, run_bench, write_report
 
     sampling = sampling_config(args)
     if args.policies is None:
@@ -733,24 +766,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     # One pair for every arm: the defaults, not the controller's settings (its arm warns when
     # they differ from what it was trained with).
     settle_model_args(args)
-    cfg = BenchConfig(
-        prompts=args.prompts,
-        out=args.out,
-        target=args.target,
-        assistant=args.assistant,
-        text_column=args.text_column,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        controller=args.controller,
-        policies=args.policies,
-        repeats=args.repeats,
-        chat=args.chat,
-        device=args.device,
-        dtype=args.dtype,
-        assistant_int8=args.assistant_int8,
-        kernels=args.kernels,
-        sampling=sampling,
-    )
+    cfg = config_from_args(BenchConfig, args, sampling=sampling)
     report = run_bench(cfg)
     write_report(report, args.out)
     print(report.markdown())
