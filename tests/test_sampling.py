@@ -195,6 +195,28 @@ def test_intersection_is_built_from_bytes(tokenizers):
     assert int(inter.to_target[eos]) == -1  # special tokens never stand for text
 
 
+def test_a_drafted_positions_mass_is_its_dense_entry(tokenizers):
+    """Acceptance reads q at the drafted token (``TargetQ.at``) and a rejection's residual the
+    whole vector (``dense``): the same value for every target id, shared ones included."""
+    from uag.sampling import Intersection, TargetQ
+
+    gen = torch.Generator().manual_seed(0)
+    real = cross_pair(tokenizers).intersection()
+    # and a mapping where several assistant ids stand for one target id (three for id 7)
+    toy = torch.randint(-1, 40, (3000,), generator=gen)
+    toy[[5, 900, 2999]] = 7
+    for inter in (real, Intersection(to_target=toy, size=int((toy >= 0).sum()))):
+        q = torch.rand(len(inter.to_target), generator=gen, dtype=torch.float64) ** 4
+        q = inter.restrict(q / q.sum())
+        vocab = int(inter.to_target.max()) + 5
+        lazy = TargetQ(q, inter, vocab)
+        dense = lazy.dense()
+        ids = [*inter.shared(), *inter.to_target[inter.to_target >= 0][:500].tolist(), vocab - 1]
+        assert all(lazy.at(t) == float(dense[t]) for t in ids)
+        assert float(dense.sum()) == pytest.approx(1.0)
+    assert 7 in inter.shared() and len(inter.sources()[7]) >= 3
+
+
 def _exact_three(pair, prompt: list[int], cfg: SamplingConfig):
     """Exact target distribution of the first three tokens (top-k keeps the support small)."""
     lm = pair.target_lm

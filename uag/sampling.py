@@ -27,7 +27,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,13 +105,17 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def categorical(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One draw from ``probs`` (``[V]``, summing to ~1): inverse CDF over the support.
 
-    ``torch.multinomial`` took ~9 ms on a 262k-entry float64 vector; this takes well under one.
+    ``torch.multinomial`` took ~9 ms on a 262k-entry float64 vector; this takes ~0.4 ms. The
+    cumulative sum runs over every entry: adding a zero changes no partial sum, so the first
+    entry whose sum exceeds ``u`` always has mass (a zero repeats the sum before it), and the
+    draw is the one a sum over the support alone gives (it needed a ``nonzero`` pass).
     """
-    support = probs.nonzero().flatten()
-    cdf = probs[support].cumsum(0)
+    cdf = probs.cumsum(0)
     u = torch.rand(1, generator=gen, dtype=cdf.dtype) * cdf[-1]
     pick = int(torch.searchsorted(cdf, u, right=True))
-    return int(support[min(pick, support.numel() - 1)])
+    if pick >= probs.numel():  # u rounded up to the total: the last entry with mass
+        pick = int(probs.nonzero()[-1])
+    return pick
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -136,6 +140,7 @@ class Intersection:
     to_target: torch.Tensor
     """``[Va]`` long: the target id each assistant id stands for, or −1."""
     size: int
+    _sources: dict[int, tuple[int, ...]] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -171,10 +176,62 @@ class Intersection:
         return q / total if total > 0 else None
 
     def on_target(self, q_assistant: torch.Tensor, target_vocab: int) -> torch.Tensor:
-        """``q`` as a distribution over target ids (assistant ids sharing bytes add up)."""
+        """``q`` as a distribution over target ids (assistant ids sharing bytes add up, in
+        ascending assistant id, as ``mass_at`` adds them: the same value for every id)."""
         out = torch.zeros(target_vocab, dtype=q_assistant.dtype)
         keep = self.to_target >= 0
-        return out.index_add_(0, self.to_target[keep], q_assistant[keep])
+        out.index_add_(0, self.to_target[keep], q_assistant[keep])
+        for tid in self.shared():
+            out[tid] = self.mass_at(q_assistant, tid)
+        return out
+
+    def mass_at(self, q_assistant: torch.Tensor, target_id: int) -> float:
+        """``on_target(q_assistant)[target_id]`` without building the vector (~5 µs, not
+        ~0.45 ms): what acceptance needs of a drafted position."""
+        total = 0.0
+        for aid in self.sources().get(target_id, ()):
+            total += float(q_assistant[aid])
+        return total
+
+    def sources(self) -> dict[int, tuple[int, ...]]:
+        """Target id → the assistant ids standing for it, ascending (built on first use)."""
+        if self._sources is None:
+            found: dict[int, list[int]] = {}
+            for aid, tid in enumerate(self.to_target.tolist()):
+                if tid >= 0:
+                    found.setdefault(tid, []).append(aid)
+            self._sources = {tid: tuple(aids) for tid, aids in found.items()}
+        return self._sources
+
+    def shared(self) -> list[int]:
+        """Target ids several assistant ids stand for."""
+        return [tid for tid, aids in self.sources().items() if len(aids) > 1]
+
+
+class TargetQ:
+    """One drafted position's ``q`` over target ids, from the assistant's restricted
+    distribution: the drafted token's mass is all acceptance needs; the whole vector (a
+    rejection's residual, soft labels) is built on first use."""
+
+    def __init__(self, q_assistant: torch.Tensor, intersection: Intersection, vocab: int) -> None:
+        self.q_assistant, self.intersection, self.vocab = q_assistant, intersection, vocab
+        self._dense: torch.Tensor | None = None
+
+    def at(self, target_id: int) -> float:
+        return self.intersection.mass_at(self.q_assistant, target_id)
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.intersection.on_target(self.q_assistant, self.vocab)
+        return self._dense
+
+
+def _mass(q: torch.Tensor | TargetQ, token: int) -> float:
+    return q.at(token) if isinstance(q, TargetQ) else float(q[token])
+
+
+def _dense(q: torch.Tensor | TargetQ) -> torch.Tensor:
+    return q.dense() if isinstance(q, TargetQ) else q
 
 
 def _canonical(bridge: Bridge, data: bytes, ids: list[int]) -> int:
@@ -197,7 +254,7 @@ def special_ids(tokenizer: object) -> set[int]:
 def verify_draft(
     *,
     draft: Sequence[int],
-    q_rows: Sequence[torch.Tensor],
+    q_rows: Sequence[torch.Tensor | TargetQ],
     p_row: Callable[[int], torch.Tensor],
     gen: torch.Generator,
 ) -> tuple[list[int], int]:
@@ -211,10 +268,10 @@ def verify_draft(
     """
     for i, tok in enumerate(draft):
         p, q = p_row(i), q_rows[i]
-        ratio = float(p[tok]) / float(q[tok])
+        ratio = float(p[tok]) / _mass(q, tok)
         if ratio >= 1.0 or float(torch.rand((), generator=gen, dtype=torch.float64)) < ratio:
             continue
-        residual = (p - q).clamp_min(0.0)
+        residual = (p - _dense(q)).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p ≤ q everywhere yet p[tok] < q[tok]: only rounding
             residual = p
         fix = categorical(residual, gen)
@@ -224,7 +281,9 @@ def verify_draft(
 
 
 def expected_acceptance(
-    draft: Sequence[int], q_rows: Sequence[torch.Tensor], p_row: Callable[[int], torch.Tensor]
+    draft: Sequence[int],
+    q_rows: Sequence[torch.Tensor | TargetQ],
+    p_row: Callable[[int], torch.Tensor],
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Soft labels of a verified draft: ``(prefix, rates)`` per draft position i.
 
@@ -238,9 +297,9 @@ def expected_acceptance(
     prefix, rates, survive = [], [], 1.0
     for i, (tok, q) in enumerate(zip(draft, q_rows, strict=True)):
         p = p_row(i)
-        survive *= min(1.0, float(p[tok]) / float(q[tok]))
+        survive *= min(1.0, float(p[tok]) / _mass(q, tok))
         prefix.append(survive)
-        rates.append(min(float(torch.minimum(p, q).sum()), 1.0))
+        rates.append(min(float(torch.minimum(p, _dense(q)).sum()), 1.0))
     return tuple(prefix), tuple(rates)
 
 
@@ -381,7 +440,7 @@ def speculative_sample(
         base = len(target.ids)
         target.ids.extend(draft)
         rows = target.full_logits(target.forward()[-(len(draft) + 1) :])  # [m + 1, V]
-        q_rows = [intersection.on_target(q, target_vocab) for q in q_assistant]
+        q_rows = [TargetQ(q, intersection, target_vocab) for q in q_assistant]
         p_row = _Processed(rows, sampling)
         emitted, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=gen)
         soft, rates = expected_acceptance(draft, q_rows, p_row) if keep_steps else ((), ())
