@@ -172,44 +172,51 @@ int64_t uag_set_vnni(int64_t want) {
     return vnni_state;
 }
 
-/* AVX-512 VNNI where the CPU has it: one 64-byte load holds two consecutive quads of a vector's
- * 8 outputs (the layout is [N/8][K/4][8][4]), and the activations are laid out to match once per
- * call (ux: per row, per pair of quads, the first quad's 4 bytes in lanes 0-7 and the second's
- * in lanes 8-15). Each lane's int32 sum is exact, and the two halves added at the end give the
- * same integers as the 256-bit paths, so the same floats. Several rows (a verify) then cost
- * half the instructions per weight byte. */
+/* AVX-512 VNNI where the CPU has it: two vectors of 8 outputs side by side in one register
+ * (lanes 0-7: one vector's quad kq, lanes 8-15: the next vector's, from their own streams in
+ * the [N/8][K/4][8][4] layout), times each row's quad kq broadcast to all 16 lanes straight from
+ * the quantised row. Each lane's int32 sum is exact, so the integers, and the floats, are the
+ * 256-bit paths'. Per 64 weight bytes a row costs one 4-byte broadcast and one vpdpbusd: the
+ * activations stay in L1 whatever the row count (an earlier layout expanded them 8-fold, and
+ * re-reading those from L2 cost ~2 ms of the head at 8 rows). A last odd vector runs with the
+ * upper half zero. */
 #define AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define MAX_MB512 16
 
 static inline AVX512VNNI __attribute__((always_inline)) void tile512(
-    const uint8_t *ux, int64_t ldux, const uint8_t *u, int64_t ldu, const int mb, int64_t Kq,
-    const int8_t *w, __m256i *state) {
+    const uint8_t *u, int64_t ldu, const int mb, int64_t Kq, const int8_t *w0, const int8_t *w1,
+    const int two, __m256i *state) {
     __m512i acc[MAX_MB512];
     _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
-    const int64_t pairs = Kq / 2;
-    for (int64_t kp = 0; kp < pairs; kp++) {
-        _mm_prefetch((const char *)(w + kp * 64) + 1024, _MM_HINT_T0);
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + kp * 64));
-        _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) acc[i] = _mm512_dpbusd_epi32(
-            acc[i], _mm512_loadu_si512((const void *)(ux + i * ldux + kp * 64)), wv);
+    for (int64_t kq = 0; kq < Kq; kq++) {
+        if ((kq & 1) == 0) { /* each stream one line (two quads) ahead of 1 KB */
+            _mm_prefetch((const char *)(w0 + kq * LANES * QK) + 1024, _MM_HINT_T0);
+            if (two) _mm_prefetch((const char *)(w1 + kq * LANES * QK) + 1024, _MM_HINT_T0);
+        }
+        __m512i wv = _mm512_zextsi256_si512(
+            _mm256_loadu_si256((const __m256i *)(w0 + kq * LANES * QK)));
+        if (two)
+            wv = _mm512_inserti64x4(
+                wv, _mm256_loadu_si256((const __m256i *)(w1 + kq * LANES * QK)), 1);
+        _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
+            int32_t four;
+            memcpy(&four, u + i * ldu + kq * QK, sizeof four);
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(four), wv);
+        }
     }
     _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
-        __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]),
-                                       _mm512_extracti64x4_epi64(acc[i], 1));
-        if (Kq & 1) { /* the last quad on its own */
-            int32_t four;
-            memcpy(&four, u + i * ldu + (Kq - 1) * QK, sizeof four);
-            sum = _mm256_dpbusd_epi32(
-                sum, _mm256_set1_epi32(four),
-                _mm256_loadu_si256((const __m256i *)(w + (Kq - 1) * LANES * QK)));
-        }
-        state[i * 8] = sum;
+        state[i * 8] = _mm512_castsi512_si256(acc[i]);
+        if (two) state[i * 8 + 1] = _mm512_extracti64x4_epi64(acc[i], 1);
     }
 }
 
-#define CASE512(MB) case MB: tile512(ux, ldux, u, ldu, MB, Kq, w, state); break;
-static AVX512VNNI void dispatch512(const uint8_t *ux, int64_t ldux, const uint8_t *u, int64_t ldu,
-                                   int mb, int64_t Kq, const int8_t *w, __m256i *state) {
+#define CASE512(MB)                                                                                \
+    case MB:                                                                                       \
+        if (w1) tile512(u, ldu, MB, Kq, w0, w1, 1, state);                                         \
+        else tile512(u, ldu, MB, Kq, w0, w1, 0, state);                                            \
+        break;
+static AVX512VNNI void dispatch512(const uint8_t *u, int64_t ldu, int mb, int64_t Kq,
+                                   const int8_t *w0, const int8_t *w1, __m256i *state) {
     switch (mb) {
         CASE512(1) CASE512(2) CASE512(3) CASE512(4) CASE512(5) CASE512(6) CASE512(7) CASE512(8)
         CASE512(9) CASE512(10) CASE512(11) CASE512(12) CASE512(13) CASE512(14) CASE512(15)
@@ -236,20 +243,6 @@ int64_t uag_set_avx512vnni(int64_t want) {
     avx512_state = -1;
     avx512_state = want && uag_use_avx512vnni();
     return avx512_state;
-}
-
-/* Row r of u [R][Kp] → ux [R][Kq/2][64]: for each pair of quads, the first quad's 4 bytes
- * repeated in lanes 0-7, the second's in lanes 8-15 (tile512's activations). */
-static void expand_rows(const uint8_t *u, int64_t R, int64_t Kp, uint8_t *ux) {
-    const int64_t pairs = Kp / QK / 2;
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t kp = 0; kp < pairs; kp++) {
-            int32_t a, b;
-            memcpy(&a, u + r * Kp + kp * 2 * QK, 4);
-            memcpy(&b, u + r * Kp + kp * 2 * QK + QK, 4);
-            int32_t *dst = (int32_t *)(ux + (r * pairs + kp) * 64);
-            for (int l = 0; l < 8; l++) dst[l] = a, dst[l + 8] = b;
-        }
 }
 
 static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
@@ -305,16 +298,14 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     const int64_t vectors = N / LANES;
     /* several rows (a verify, a second level): the AVX-512 VNNI path where there is one */
     const int wide = R > 1 && uag_use_avx512vnni();
-    const int64_t pairs = Kq / 2;
-    uint8_t *ux = wide ? (uint8_t *)malloc((size_t)(R * (pairs > 0 ? pairs : 1) * 64)) : NULL;
-    if (wide) expand_rows(u, R, Kp, ux);
-    const int nv = tile_vectors(R < GROUP ? R : GROUP), most = wide ? MAX_MB512 : max_rows(nv);
+    const int nv = wide ? 2 : tile_vectors(R < GROUP ? R : GROUP);
+    const int most = wide ? MAX_MB512 : max_rows(nv);
     const int64_t tiles = (vectors + nv - 1) / nv;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t v0 = t * nv, n0 = v0 * LANES;
         const int width = vectors - v0 < nv ? (int)(vectors - v0) : nv;
-        const int step = width == nv ? nv : 1;
+        const int step = wide ? nv : width == nv ? nv : 1;
         const int8_t *wt = w + n0 * Kp;
         for (int64_t g0 = 0; g0 < R; g0 += GROUP) {
             const int64_t rows = R - g0 < GROUP ? R - g0 : GROUP;
@@ -325,9 +316,10 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                 const int64_t left = rows - m0, rest = passes - p;
                 const int mb = (int)((left + rest - 1) / rest);
                 for (int j = 0; j < width; j += step)
-                    if (wide) /* nv is 1: one vector per tile */
-                        dispatch512(ux + (g0 + m0) * pairs * 64, pairs * 64, u + (g0 + m0) * Kp,
-                                    Kp, mb, Kq, wt + j * LANES * Kp, state + m0 * 8 + j);
+                    if (wide) /* both vectors of the tile in one pass, or the last one alone */
+                        dispatch512(u + (g0 + m0) * Kp, Kp, mb, Kq, wt + j * LANES * Kp,
+                                    width > 1 ? wt + (j + 1) * LANES * Kp : NULL,
+                                    state + m0 * 8 + j);
                     else
                         dispatch(u + (g0 + m0) * Kp, Kp, mb, Kq, wt + j * LANES * Kp, step,
                                  state + m0 * 8 + j);
@@ -361,7 +353,7 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             }
         }
     }
-    free(u), free(xs), free(zp), free(res), free(ux);
+    free(u), free(xs), free(zp), free(res);
 }
 
 /* w[N, K] (row-major fp32) → q[N, K] int8 and scale[N]: per output, symmetric, scale =
