@@ -199,6 +199,9 @@ def test_models_prepare_success_path(capsys):
     assert "gemma-3-270m: converted at" in out
     if native.native_unavailable() is None:  # and built for what later starts memory-map
         assert "gemma-3-270m: prepared as target" in out
+        assert main(["models"]) == 0
+        listed = capsys.readouterr().out
+        assert "converted, prepared as target" in listed
 
 
 def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):

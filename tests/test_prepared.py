@@ -165,3 +165,18 @@ def test_what_is_not_prepared(q8_dirs, tiny_dirs, cache, monkeypatch):
     assert not [n for n in _files(cache) if n.endswith(".pt")]
     with pytest.raises(ValueError, match="unknown role"):
         prepared.load(q8_dirs[0], role="draft")
+
+
+def test_a_cache_that_cannot_be_written_still_runs(q8_dirs, cache, monkeypatch):
+    """A full or read-only disk (torch's writer raises RuntimeError, the OS OSError): the model is
+    prepared in memory and used, nothing half-written is left behind."""
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(prepared.torch, "save", full_disk)
+    pair = uag.load_pair(*q8_dirs, kernels="native")
+    assert pair.target.model is None  # prepared, just not saved
+    assert _files(cache) == [] and not list(cache.glob("*/*.tmp"))
+    out = uag.generate(pair, "def f(x):", policy=StaticPolicy(k=2), max_new_tokens=6)
+    assert out.token_ids == uag.generate(pair, "def f(x):", policy=None, max_new_tokens=6).token_ids

@@ -451,6 +451,11 @@ def run_models(args: argparse.Namespace) -> int:
             if models.is_cached(name)
             else "not converted yet (uag models prepare " + name + ")"
         )
+        roles = (
+            prepared.prepared_roles(models.converted_dir(name)) if models.is_cached(name) else []
+        )
+        if roles:
+            state += f", prepared as {', '.join(roles)}"
         print(f"{name:14s} package {entry.package:26s} {state}")
     return 0
 

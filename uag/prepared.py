@@ -139,6 +139,13 @@ def load(ref: str, *, role: str, tokenizer: Any = None) -> tuple[LoadedModel, Pr
     return loaded, prepared
 
 
+def prepared_roles(directory: Path) -> list[str]:
+    """The roles a converted checkpoint in ``directory`` has an up-to-date prepared file for."""
+    if not directory.is_dir():
+        return []
+    return [role for role in ROLES if _path(directory, role).is_file()]
+
+
 def _read(path: Path) -> Prepared | None:
     if not path.is_file():
         return None
@@ -171,7 +178,7 @@ def _write(path: Path, prepared: Prepared | None) -> None:
             os.replace(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
-    except OSError:
+    except (OSError, RuntimeError):  # read-only or full disk (torch's writer raises RuntimeError)
         pass
 
 
