@@ -69,12 +69,14 @@ def _files(cache) -> list[str]:
     return sorted(p.name for p in cache.glob("*/uag-prepared-*"))
 
 
-def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch):
-    """The first load builds and saves both models; the second maps the files without building
-    anything; both give bitwise the logits and exactly the tokens of the pair converted in
-    process (``make_pair`` on the Transformers models)."""
+def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch, capsys):
+    """The first load builds and saves both models (saying so); the second maps the files
+    without building anything; both give bitwise the logits and exactly the tokens of the pair
+    converted in process (``make_pair`` on the Transformers models)."""
     target, assistant = q8_dirs
     first = uag.load_pair(target, assistant, kernels="native")
+    said = capsys.readouterr().err
+    assert said.count("uag: preparing") == 2 and "as target" in said and "as assistant" in said
     assert first.target.model is None and first.target_lm.model is None
     assert len(_files(cache)) == 2
     assert first.target_lm._greedy.fast.exact is not None  # the head held as exact blocks
@@ -85,6 +87,7 @@ def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch):
     monkeypatch.setattr(prepared, "_build", refuse)
     second = uag.load_pair(target, assistant, kernels="native")
     monkeypatch.undo()
+    assert "preparing" not in capsys.readouterr().err
     converted = make_pair(load_model(target), load_model(assistant), kernels="native")
     assert converted.target.model is not None
 

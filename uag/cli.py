@@ -437,7 +437,7 @@ def run_models(args: argparse.Namespace) -> int:
             if not native:
                 continue  # prepared models are for the native kernels only
             for role in args.roles or _default_roles(name):
-                found = prepared.load(name, role=role)
+                found = prepared.load(name, role=role, log=tqdm.write)
                 tqdm.write(
                     f"{name}: prepared as {role}"
                     if found is not None

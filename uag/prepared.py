@@ -104,10 +104,12 @@ def _path(directory: Path, role: str) -> Path:
     return directory / f"uag-prepared-{role}-{_key(directory, role)}.pt"
 
 
-def load(ref: str, *, role: str, tokenizer: Any = None) -> tuple[LoadedModel, Prepared] | None:
+def load(
+    ref: str, *, role: str, tokenizer: Any = None, log: Any = None
+) -> tuple[LoadedModel, Prepared] | None:
     """``ref`` prepared for ``role``: from its file when there is one, else built (loading the
-    Transformers model once) and saved. None where ``ref`` cannot be prepared (see the module
-    doc): the caller then loads it the usual way."""
+    Transformers model once; ``log`` says so, default stderr) and saved. None where ``ref``
+    cannot be prepared (see the module doc): the caller then loads it the usual way."""
     from uag.tokcache import load_tokenizer
 
     if role not in ROLES:
@@ -124,6 +126,8 @@ def load(ref: str, *, role: str, tokenizer: Any = None) -> tuple[LoadedModel, Pr
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     prepared = _read(path)
     if prepared is None:
+        say = log or (lambda msg: print(msg, file=sys.stderr))
+        say(f"uag: preparing {ref} as {role} for the native kernels (once per model and uag build)")
         prepared = _build(ref, role, tokenizer)
         _write(path, prepared)
         if prepared is None:
