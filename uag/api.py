@@ -194,14 +194,14 @@ def _prepared_pair(target: str, assistant: str, *, assistant_int8: bool) -> Pair
     if ast is None:
         return None
     (tgt_model, tgt_parts), (ast_model, ast_parts) = tgt, ast
-    target_lm, assistant_lm = tgt_parts.cached_lm(), ast_parts.cached_lm()
-    bridge = Bridge.for_tokenizers(
-        target=tgt_model.tokenizer,
-        assistant=ast_model.tokenizer,
-        target_vocab=target_lm.vocab_size,
-        assistant_vocab=assistant_lm.vocab_size,
+    return _pair(
+        tgt_model,
+        ast_model,
+        tgt_parts.cached_lm(),
+        ast_parts.cached_lm(),
+        assistant_int8=assistant_int8,
+        kernels="native",
     )
-    return Pair(tgt_model, ast_model, bridge, target_lm, assistant_lm, assistant_int8, "native")
 
 
 def make_pair(
@@ -218,33 +218,56 @@ def make_pair(
     ``uag.kernels``): to time stock Transformers, load a separate copy.
     """
     mode = resolve_kernels(kernels, target.device, target.dtype)
-    fast_head = None
-    if mode in ("native", "onednn"):
-        fast_head = accelerate_target(target.model, mode)
-        if assistant.device.type == "cpu" and assistant.dtype == torch.float32:
-            # An int8 assistant has no fp32 linears left; a float32 one gets the same kernels.
-            swap_linears(assistant.model, mode, head=True)
-    target_lm = CachedLM(target.model, greedy_head=True, fast_head=fast_head)
-    _calibrate(target_lm, target.tokenizer, fast_head)
-    target_lm.row_invariant = fast_head is not None and is_row_invariant(
-        target.model, rowwise_attention=target_lm.lean is not None
+    target_lm = target_lm_for(target.model, target.tokenizer, mode)
+    assistant_lm = assistant_lm_for(assistant.model, mode)
+    return _pair(
+        target, assistant, target_lm, assistant_lm, assistant_int8=assistant_int8, kernels=mode
     )
-    assistant_lm = CachedLM(assistant.model)
+
+
+def target_lm_for(model: Any, tokenizer: Any, mode: str) -> CachedLM:
+    """The target on ``mode``'s kernels (linears swapped in place, the fast greedy head, the
+    screened head calibrated), knowing whether its rows are count-invariant: what
+    ``make_pair`` and ``uag.prepared`` both run."""
+    from uag.screened import ScreenedHead, calibrate
+
+    fast_head = accelerate_target(model, mode) if mode in ("native", "onednn") else None
+    lm = CachedLM(model, greedy_head=True, fast_head=fast_head)
+    if isinstance(fast_head, ScreenedHead):  # only speed depends on the channels it picks
+        calibrate(lm, tokenizer, fast_head)
+    lm.row_invariant = fast_head is not None and is_row_invariant(
+        model, rowwise_attention=lm.lean is not None
+    )
+    return lm
+
+
+def assistant_lm_for(model: Any, mode: str) -> CachedLM:
+    """The assistant on ``mode``'s kernels: a float32 CPU model's linears, its head included,
+    are swapped in place (an int8 one has no fp32 linears left)."""
+    param = next(model.parameters(), None)
+    fp32_cpu = param is None or (param.device.type == "cpu" and param.dtype == torch.float32)
+    if mode in ("native", "onednn") and fp32_cpu:
+        swap_linears(model, mode, head=True)
+    return CachedLM(model)
+
+
+def _pair(
+    target: LoadedModel,
+    assistant: LoadedModel,
+    target_lm: CachedLM,
+    assistant_lm: CachedLM,
+    *,
+    assistant_int8: bool,
+    kernels: str,
+) -> Pair:
+    """The pair, with the bridge between the two vocabularies."""
     bridge = Bridge.for_tokenizers(
         target=target.tokenizer,
         assistant=assistant.tokenizer,
         target_vocab=target_lm.vocab_size,
         assistant_vocab=assistant_lm.vocab_size,
     )
-    return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, mode)
-
-
-def _calibrate(lm: CachedLM, tokenizer: Any, head: Any) -> None:
-    """Choose the screened head's exact channels (``uag.screened``: only speed depends on it)."""
-    from uag.screened import ScreenedHead, calibrate
-
-    if isinstance(head, ScreenedHead):
-        calibrate(lm, tokenizer, head)
+    return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, kernels)
 
 
 def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:

@@ -460,12 +460,13 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_collect_args(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+def _add_prompt_set_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``RunConfig`` every prompt-set job (collect, bench) takes."""
     p.add_argument(
         "--prompts",
         required=True,
-        help="humaneval[:train|:test], a set in data/prompts (e.g. mixed, mixed:train), or a local .jsonl/.json/.csv/.parquet file",
+        help="humaneval[:train|:test], a set in data/prompts (e.g. mixed, mixed:train), or a "
+        "local .jsonl/.json/.csv/.parquet file; join several with +",
     )
     p.add_argument(
         "--text-column",
@@ -476,18 +477,23 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
         "--limit", type=_positive_int, default=None, help="use at most this many prompts"
     )
     p.add_argument(
-        "--max-lookahead",
-        type=int,
-        default=default_of(CollectConfig, "max_lookahead"),
-        help="tokens drafted every iteration; drafting never stops earlier (default: %(default)s)",
-    )
-    p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
         default=default_of(RunConfig, "max_new_tokens"),
         help="target tokens per prompt (default: %(default)s)",
     )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
+
+
+def _add_collect_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    _add_prompt_set_args(p)
+    p.add_argument(
+        "--max-lookahead",
+        type=int,
+        default=default_of(CollectConfig, "max_lookahead"),
+        help="tokens drafted every iteration; drafting never stops earlier (default: %(default)s)",
+    )
     p.add_argument(
         "--out", type=Path, required=True, help="output directory (Parquet parts + meta.json)"
     )
@@ -711,25 +717,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES
 
     _add_model_args(p)
-    p.add_argument(
-        "--prompts",
-        required=True,
-        help="humaneval[:train|:test], a set in data/prompts, or a local file",
-    )
-    p.add_argument(
-        "--text-column",
-        default=default_of(RunConfig, "text_column"),
-        help="column holding the prompt text in local files (default: %(default)s)",
-    )
-    p.add_argument(
-        "--limit", type=_positive_int, default=None, help="use at most this many prompts"
-    )
-    p.add_argument(
-        "--max-new-tokens",
-        type=_positive_int,
-        default=default_of(RunConfig, "max_new_tokens"),
-        help="target tokens per prompt (default: %(default)s)",
-    )
+    _add_prompt_set_args(p)
     p.add_argument(
         "--controller", type=Path, default=None, help="ONNX controller for the 'learned' policy"
     )
@@ -748,7 +736,6 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         default=default_of(BenchConfig, "repeats"),
         help="runs per prompt and policy (default: %(default)s)",
     )
-    p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
     p.add_argument(
         "--out",
         type=Path,

@@ -189,37 +189,33 @@ def _write(path: Path, prepared: Prepared | None) -> None:
 def _build(ref: str, role: str, tokenizer: Any) -> Prepared | None:
     """Load the Transformers model, convert it as ``uag.api.make_pair`` does, keep the lean
     parts. None where the model has no lean forward or its head no compact exact form."""
-    from uag.kernels import accelerate_target, is_row_invariant, quantize_int8, swap_linears
+    from uag.api import assistant_lm_for, target_lm_for
+    from uag.kernels import quantize_int8
     from uag.lean import lean_body_for
     from uag.models import load_model
-    from uag.screened import ScreenedHead, calibrate
+    from uag.screened import ScreenedHead
 
     loaded = load_model(ref, device="cpu", dtype="float32")
     model = loaded.model
     if lean_body_for(model) is None:
         return None
-    fast: nn.Module | None = None
     if role == "target":
-        fast = accelerate_target(model, "native")
+        lm = target_lm_for(model, tokenizer, "native")
+        fast = lm._greedy.fast if lm._greedy is not None else None
         if not isinstance(fast, ScreenedHead) or fast.exact is None:
             return None  # the fp32 head would be written out whole
-    elif role == "assistant-int8":
-        model = quantize_int8(model, backend="native")
+        head: nn.Module = fast.full_head()
     else:
-        swap_linears(model, "native", head=True)
-    lm = CachedLM(model, greedy_head=fast is not None, fast_head=fast)
+        if role == "assistant-int8":
+            model = quantize_int8(model, backend="native")
+        lm = assistant_lm_for(model, "native")
+        fast, head = None, lm.head
     assert lm.lean is not None
-    row_invariant = False
-    head = lm.head
-    if isinstance(fast, ScreenedHead):
-        calibrate(lm, tokenizer, fast)
-        row_invariant = is_row_invariant(model, rowwise_attention=True)
-        head = fast.full_head()
     return Prepared(
         lean=lm.lean,
         head=head,
         fast_head=fast,
         softcap=lm.softcap,
         eos_ids=loaded.eos_ids,
-        row_invariant=row_invariant,
+        row_invariant=lm.row_invariant,
     )
