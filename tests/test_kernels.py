@@ -458,14 +458,14 @@ def test_q4_holds_q4_1_weights_exactly_and_stays_close(shape):
 @pytest.mark.parametrize("q4", [True, False])
 def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
     """q4.c and q8.c sum exactly in int32 on every instruction set (AVX2, AVX-VNNI, AVX-512
-    VNNI for several rows): the same floats out, for every row count and for the screened head's
+    VNNI and AMX for several rows): the same floats out, for every row count and for the screened head's
     two-level product with its bound, so nothing downstream depends on the CPU."""
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(2)
-    linear = nn.Linear(96, 40)
+    linear = nn.Linear(128, 40)  # K a multiple of 64: AMX takes 10+ rows
     if q4:
         with torch.no_grad():
-            linear.weight.copy_(native.q4_like_weight(40, 96, generator=gen))
+            linear.weight.copy_(native.q4_like_weight(40, 128, generator=gen))
     layer = native.NativeLinear(linear, int8=True, dynamic=True, q4=q4)
     assert layer.q4 == q4
     x = torch.randn(17, layer.padded_in, generator=gen)
@@ -482,6 +482,7 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
     try:
         lib.uag_set_vnni(0)
         lib.uag_set_avx512vnni(0)
+        lib.uag_set_amx(0)
         reference = outputs()
         vnni = lib.uag_set_vnni(1)
         for got, want in zip(outputs(), reference, strict=True):
@@ -489,12 +490,17 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
         wide = lib.uag_set_avx512vnni(1)
         for got, want in zip(outputs(), reference, strict=True):
             assert torch.equal(got, want)
+        amx = lib.uag_set_amx(1)
+        for got, want in zip(outputs(), reference, strict=True):
+            assert torch.equal(got, want)
     finally:
         lib.uag_set_vnni(1)
         lib.uag_set_avx512vnni(1)
-    if not (vnni and wide):
+        lib.uag_set_amx(1)
+    if not (vnni and wide and amx):
         pytest.skip(
-            "AVX-VNNI or AVX-512 VNNI unavailable here (CPU or compiler): not every path ran"
+            "AVX-VNNI, AVX-512 VNNI or AMX unavailable here (CPU, kernel or compiler): "
+            "not every path ran"
         )
 
 

@@ -118,6 +118,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_set_avx512.argtypes = [i64]
     lib.uag_set_avx512vnni.restype = i64
     lib.uag_set_avx512vnni.argtypes = [i64]
+    lib.uag_set_amx.restype = i64
+    lib.uag_set_amx.argtypes = [i64]
     lib.uag_linear_q8.restype = None
     lib.uag_linear_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64, p, p, i64, p]
     lib.uag_decoder_layer.restype = None

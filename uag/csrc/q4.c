@@ -203,7 +203,8 @@ static AVX512VNNI void dispatch512(const uint8_t *xe, const float *sx, const flo
 void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
     const int64_t Kb = K / QB, tiles = N / LANES;
-    const int vnni = uag_use_vnni(), wide = M > 1 && uag_use_avx512vnni();
+    /* AVX-512 VNNI for one row too: SmolLM2's one-row body 4.2-4.5 → 3.9-4.0 ms (same bits) */
+    const int vnni = uag_use_vnni(), wide = uag_use_avx512vnni();
     (void)vnni; /* unused where the compiler lacks AVX-VNNI */
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *sx = (float *)malloc(sizeof(float) * (size_t)(M * Kb));

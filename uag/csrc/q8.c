@@ -28,6 +28,11 @@
 #include <string.h>
 
 #include "simd.h"
+#if HAVE_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define LANES 8 /* outputs per vector */
 #define QK 4    /* consecutive inputs per output in one 32-bit lane */
@@ -245,6 +250,109 @@ int64_t uag_set_avx512vnni(int64_t want) {
     return avx512_state;
 }
 
+#define AMX_VECTORS 4 /* vectors of 8 outputs per tile of work: C tiles 0-3 */
+#define AMX_ROWS 16   /* rows of an A or C tile */
+/* Rows from which AMX pays. Gemma's screening head, median ms, AVX-512 VNNI vs AMX, one process
+ * alternating: 2 rows 6.7 vs 7.8, 8: 9.1 vs 9.1, 10: 10.3 vs 9.8, 12: 11.1 vs 10.1, 16: 13.3 vs
+ * 11.1. (In a C loop over the same product AMX already led from 4 rows; in the process the
+ * weights are a memory-mapped file and the tile loads gain less.) */
+#define AMX_MIN_ROWS 10
+
+#if HAVE_AMX
+/* AMX where the CPU and the kernel allow it (checked at run time): one tile multiply adds mb
+ * rows x 64 activation bytes times 16 quads of 8 outputs' weights into mb x 8 int32 sums, the
+ * same u8 x s8 products as vpdpbusd, summed exactly, so the same integers and floats as every
+ * other path. Why: AVX-512 VNNI spends one instruction per row per 64 weight bytes, so many rows
+ * (a long verify, a second level) are bound by those instructions; a tile multiply takes up to
+ * 16 rows at once. The weights need no new layout: one vector's 16 consecutive quads
+ * ([N/8][K/4][8][4]) are 512 contiguous bytes, exactly a 16 x 32-byte B tile. Tiles: 0-3
+ * accumulate four vectors, 4 holds the activations (a chunk of 16 quads), 5-7 take turns with
+ * the weights. K must be a multiple of 64 (other shapes take the other paths). */
+#define AMX_ATTR __attribute__((target("amx-tile,amx-int8")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+/* Configure this thread's tiles for mb rows. */
+static AMX_ATTR void amx_configure(int mb) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < AMX_VECTORS; t++) c.rows[t] = (uint8_t)mb, c.colsb[t] = LANES * 4;
+    c.rows[4] = (uint8_t)mb, c.colsb[4] = 16 * QK; /* A: mb rows x 16 quads */
+    for (int t = 5; t < 8; t++) c.rows[t] = 16, c.colsb[t] = LANES * QK; /* B: 16 quads x 8 */
+    /* GCC 12 drops the stores above as dead (it does not see ldtilecfg read them): keep them */
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+/* Rows [0, mb) of u (configured) against nv <= 4 vectors w + j * Kq * 32, Kq a multiple of 16:
+ * int32 sums into state (row i, vector j at state[i * 8 + j]). Three B tiles take turns, so a
+ * vector's weights load while the previous vector's multiply still reads its tile. */
+static AMX_ATTR void amx_tile(const uint8_t *u, int64_t ldu, int64_t Kq, const int8_t *w,
+                              int nv, __m256i *state) {
+    const int64_t vstride = Kq * LANES * QK;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < Kq / 16; c++) {
+        const int8_t *wc = w + c * 16 * LANES * QK;
+        _tile_loadd(4, u + c * 16 * QK, ldu);
+        _tile_loadd(5, wc, LANES * QK);
+        _tile_dpbusd(0, 4, 5);
+        if (nv > 1) {
+            _tile_loadd(6, wc + vstride, LANES * QK);
+            _tile_dpbusd(1, 4, 6);
+        }
+        if (nv > 2) {
+            _tile_loadd(7, wc + 2 * vstride, LANES * QK);
+            _tile_dpbusd(2, 4, 7);
+        }
+        if (nv > 3) {
+            _tile_loadd(5, wc + 3 * vstride, LANES * QK);
+            _tile_dpbusd(3, 4, 5);
+        }
+    }
+    const int64_t ld = 8 * (int64_t)sizeof(__m256i); /* state's row stride in bytes */
+    _tile_stored(0, state, ld);
+    if (nv > 1) _tile_stored(1, state + 1, ld);
+    if (nv > 2) _tile_stored(2, state + 2, ld);
+    if (nv > 3) _tile_stored(3, state + 3, ld);
+}
+
+static AMX_ATTR void amx_release(void) { _tile_release(); }
+#endif
+
+static int amx_state = -1; /* -1: not decided yet */
+
+/* 1 where the CPU has AMX-INT8, the kernel grants this process the tile state, and the tests
+ * left it on. */
+int uag_use_amx(void) {
+    if (amx_state < 0) {
+#if HAVE_AMX
+        unsigned a, b, c, d;
+        amx_state = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+                    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                            18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+        amx_state = 0;
+#endif
+    }
+    return amx_state;
+}
+
+/* Tests: AMX where the CPU has it (want 1) or not (want 0); returns the path now in use. The
+ * integers, so the floats, are the other paths'. */
+int64_t uag_set_amx(int64_t want) {
+    amx_state = -1;
+    amx_state = want && uag_use_amx();
+    return amx_state;
+}
+
 static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
                      __m256i *state) {
 #if HAVE_AVXVNNI
@@ -279,7 +387,8 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
                    int64_t O, const float *wo) {
     const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * levels;
-    uint8_t *u = (uint8_t *)malloc((size_t)(R * Kp));
+    /* AMX passes all have one row count per call, so the last may read up to 15 rows past R */
+    uint8_t *u = (uint8_t *)calloc((size_t)((R + 16) * Kp), 1);
     float *xs = (float *)malloc(sizeof(float) * (size_t)R);
     int32_t *zp = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *res = levels > 1 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
@@ -296,12 +405,17 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
         if (bound) bound[m] = 0.505f * xs[m * levels + levels - 1] + 4e-6f * top;
     }
     const int64_t vectors = N / LANES;
-    /* several rows (a verify, a second level): the AVX-512 VNNI path where there is one */
-    const int wide = R > 1 && uag_use_avx512vnni();
-    const int nv = wide ? 2 : tile_vectors(R < GROUP ? R : GROUP);
-    const int most = wide ? MAX_MB512 : max_rows(nv);
+    /* AVX-512 VNNI where there is one, for one row too (Gemma's head 7.5 → 6.8 ms, SmolLM2's
+     * 1.3 → 1.1 ms: the same bits); AMX from AMX_MIN_ROWS rows */
+    const int amx = HAVE_AMX && R >= AMX_MIN_ROWS && Kq % 16 == 0 && uag_use_amx();
+    const int wide = !amx && uag_use_avx512vnni();
+    const int nv = amx ? AMX_VECTORS : wide ? 2 : tile_vectors(R < GROUP ? R : GROUP);
+    const int most = amx ? AMX_ROWS : wide ? MAX_MB512 : max_rows(nv);
     const int64_t tiles = (vectors + nv - 1) / nv;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel
+    {
+    int configured = -1; /* AMX: the row count this thread's tiles hold */
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t v0 = t * nv, n0 = v0 * LANES;
         const int width = vectors - v0 < nv ? (int)(vectors - v0) : nv;
@@ -315,6 +429,15 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             for (int64_t p = 0; p < passes; p++) {
                 const int64_t left = rows - m0, rest = passes - p;
                 const int mb = (int)((left + rest - 1) / rest);
+#if HAVE_AMX
+                if (amx) {
+                    const int even = (int)((rows + passes - 1) / passes); /* one shape per call */
+                    if (configured != even) amx_configure(even), configured = even;
+                    amx_tile(u + (g0 + m0) * Kp, Kp, Kq, wt, width, state + m0 * 8);
+                    m0 += even;
+                    continue;
+                }
+#endif
                 for (int j = 0; j < width; j += step)
                     if (wide) /* both vectors of the tile in one pass, or the last one alone */
                         dispatch512(u + (g0 + m0) * Kp, Kp, mb, Kq, wt + j * LANES * Kp,
@@ -352,6 +475,12 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                 }
             }
         }
+    }
+#if HAVE_AMX
+    if (configured >= 0) amx_release();
+#else
+    (void)configured;
+#endif
     }
     free(u), free(xs), free(zp), free(res);
 }

@@ -10,7 +10,16 @@
 #define HAVE_AVXVNNI 0
 #endif
 
+/* AMX's tile intrinsics as GCC 11+ defines them (inline assembly, usable in any function), and
+ * the Linux call that grants a process the tile state: elsewhere the other paths only. */
+#if !defined(UAG_NO_AMX) && defined(__linux__) && !defined(__clang__) && __GNUC__ >= 11
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
 int uag_use_vnni(void);       /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
 int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI (F, BW, VL) */
+int uag_use_amx(void);        /* q8.c: AMX-INT8, and the kernel grants the tile state */
 
 #endif
