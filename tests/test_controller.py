@@ -139,6 +139,8 @@ def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs, 
     assert "not held-out" not in capsys.readouterr().err  # no training prompts recorded in it
     by_name = {p.name: p for p in report.policies}
     assert by_name["learned"].identical and by_name["learned"].predicted is not None
+    # exact replay makes the rounds the arm made (one run per prompt: repeats 1)
+    assert by_name["learned"].predicted_forwards == by_name["learned"].target_forwards
     learned = by_name["learned"]  # a budget per round and a stop per drafted token, timed
     assert learned.decisions > learned.drafted > 0
     assert learned.as_row()["controller_us_per_decision"] > 0

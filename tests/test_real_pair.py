@@ -220,3 +220,32 @@ def test_lossless_with_int8_assistant():
         ref = uag.generate(pair, NASTY_PROMPTS[name], policy=None, max_new_tokens=32)
         out = uag.generate(pair, NASTY_PROMPTS[name], policy=StaticPolicy(k=3), max_new_tokens=32)
         assert out.token_ids == ref.token_ids, name
+
+
+def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
+    """``uag.dryrun`` on the real cross-tokenizer pair: for a static lookahead and the shipped
+    controller (which reads the target's statistics), the replayed rounds are the loop's."""
+    from pathlib import Path
+
+    from controllers.learned import LearnedPolicy
+    from uag import dryrun
+    from uag.api import encode_prompt, render_prompt
+    from uag.latency import LatencyProfile
+
+    shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
+    profile = LatencyProfile(device="cpu:test", draft_s=0.005, verify_s=[0.016, 0.017])
+    fields = ("drafted", "candidates", "accepted_candidates", "emitted", "accepted_drafts")
+    for name in ("python_deep_indent", "unicode_mix", "crlf"):
+        prompt = NASTY_PROMPTS[name]
+        target_ids, assistant_ids = encode_prompt(
+            real_pair, render_prompt(real_pair, prompt, chat=False)
+        )
+        trace = dryrun.record_trace(real_pair, target_ids, 24)
+        for make in (lambda: StaticPolicy(k=3), lambda: LearnedPolicy(shipped)):
+            live = uag.generate(real_pair, prompt, policy=make(), max_new_tokens=24)
+            run = dryrun.replay(
+                real_pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
+            )
+            assert tuple(live.token_ids) == trace.ids
+            rounds = [[getattr(r, f) for f in fields] for r in run.records]
+            assert rounds == [[getattr(r, f) for f in fields] for r in live.iterations], name

@@ -6,10 +6,11 @@ speed reported as ratios to ``target-only`` over the same prompts, with a 95 % b
 over prompts (these cores drift by several percent: a ratio without an interval says too
 little); every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
 it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
-the latency profile measured in this run, and is marked simulated. The same pass gives replay's
-prediction for every static-K and learned arm, printed beside its measurement, so the
-simulator's error shows in every run (``training.replay``; a learned arm replays the very rule
-its controller decides by).
+the latency profile measured in this run, and is marked simulated. The same run predicts every
+uag greedy arm (static-K, the rules, learned) by *exact replay* (``uag.dryrun``): the real loop
+with the arm's own policy against a recorded target-alone run, so its rounds are the loop's and
+only their prices come from the profile; the prediction is printed beside the measurement, so
+the profile's error shows in every run.
 
 With ``sampling`` (``uag bench --sample``) every arm of a round runs with the same seed, and the
 identity check becomes ``uag.distribution``'s two checks: the paired log-probability check against
@@ -109,8 +110,11 @@ class PolicyResult:
     excess: ExcessCheck | None = None
     """Sampling: the z-test of the summed excess log-probability (``uag.distribution``)."""
     predicted: float | None = None
-    """Replay's speed-up for this arm, from the long-lookahead pass over the same prompts and
-    the latency profile measured in this run (None: not replayable, or no oracle pass)."""
+    """Exact replay's speed-up for this arm over the same prompts, priced by the latency profile
+    measured in this run (None: not a uag greedy arm, or no oracle pass)."""
+    predicted_forwards: int | None = None
+    """Target forwards (rounds) of the exact replay over the prompts, once each: every repeat of
+    the arm makes these same rounds."""
 
     @property
     def identical(self) -> bool:
@@ -167,6 +171,7 @@ class PolicyResult:
             if self.decisions and self.policy_seconds
             else None,
             "replay_predicted": None if self.predicted is None else round(self.predicted, 4),
+            "replay_target_forwards": self.predicted_forwards,
         }
 
 
@@ -392,10 +397,16 @@ def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None 
 
 
 def build_arms(
-    names: list[str], pair: Any, cfg: BenchConfig, *, prompt_ids: list[str] | None = None
+    names: list[str],
+    pair: Any,
+    cfg: BenchConfig,
+    *,
+    prompt_ids: list[str] | None = None,
+    policies: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, Arm]:
     """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
-    any of ``prompt_ids`` (the prompts about to be benched)."""
+    any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
+    speculative arm's policy factory (what exact replay runs)."""
     from controllers.spec import parse_policy
 
     arms: dict[str, Arm] = {}
@@ -426,6 +437,8 @@ def build_arms(
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")
         arms[name] = _uag_arm(pair, factory, chat=cfg.chat, sampling=cfg.sampling)
+        if factory is not None and policies is not None:
+            policies[name] = factory
     return arms
 
 
@@ -484,47 +497,50 @@ def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, 
     return from_columns(parts, meta), profile, prefill
 
 
-def _predict(name: str, data: Any, profile: Any, prefill: Any, cfg: BenchConfig) -> float | None:
-    """Replay's speed-up for arm ``name`` (static-K with K ≤ the pass's lookahead, learned,
-    oracle), or None for arms replay cannot simulate."""
-    import numpy as np
-
+def _predict_oracle(data: Any, profile: Any, prefill: Any) -> float:
+    """Replay's oracle speed-up: each round of the long-lookahead pass cut at its accepted
+    count (1.0 when the pass drafted nothing)."""
     from training import replay
-    from uag.features import to_gate_rows
 
     if data is None:
-        return 1.0 if name == "oracle" else None
-    if name == "oracle":
-        return replay.oracle(replay.build_iterations(data), profile, prefill=prefill).speedup
-    if name.startswith("static-") and int(name.split("-")[1]) <= ORACLE_LOOKAHEAD:
-        k = int(name.split("-")[1])
-        return replay.static(replay.build_iterations(data), profile, k, prefill=prefill).speedup
-    if name != "learned" and not name.startswith("learned:"):
-        return None
-    from controllers.learned import LearnedPolicy
+        return 1.0
+    return replay.oracle(replay.build_iterations(data), profile, prefill=prefill).speedup
 
-    path = cfg.controller if name == "learned" else Path(name.split(":", 1)[1])
-    if path is None:
-        return None
-    policy = LearnedPolicy(path)
-    if policy.info.max_lookahead > ORACLE_LOOKAHEAD:
-        return None
 
-    def scores(rows: np.ndarray) -> np.ndarray:
-        out = policy.session.run([policy.output_name], {policy.input_name: rows})[0]
-        return np.asarray(out, dtype=np.float64).reshape(-1)
+def _exact_predictions(
+    pair: Any,
+    prompts: list[Any],
+    cfg: BenchConfig,
+    policies: dict[str, Callable[[], Any]],
+    profile: Any,
+) -> dict[str, tuple[float, int]]:
+    """Exact replay per uag arm (``uag.dryrun``): one recorded target-alone run per prompt,
+    then each arm's policy through the real loop against it; (speed-up priced by ``profile``,
+    target forwards)."""
+    from uag import dryrun
+    from uag.api import encode_prompt, render_prompt
 
-    first = data.columns["position"] == 1
-    gate = np.full(len(data.labels), np.nan)
-    gate[first] = scores(to_gate_rows(data.features[first]))
-    its = replay.build_iterations(data, scores(data.features), gate)
-    if policy.info.decision == "cost":
-        stops = replay.cost_stops(its, policy.info.cost_rule(), gate=policy.info.gate)
-        return replay.simulate(its, stops, profile, name, prefill=prefill).speedup
-    gate_below = policy.info.gate_threshold if policy.info.gate else 0.0
-    return replay.learned(
-        its, profile, stop_below=policy.info.threshold, gate_below=gate_below, prefill=prefill
-    ).speedup
+    if not policies:
+        return {}
+    traces: list[dryrun.TargetTrace] = []
+    runs: dict[str, list[dryrun.ReplayRun]] = {name: [] for name in policies}
+    for p in prompts:
+        target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, p.text, chat=cfg.chat))
+        trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
+        traces.append(trace)
+        for name, make in policies.items():
+            runs[name].append(
+                dryrun.replay(
+                    pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
+                )
+            )
+    return {
+        name: (
+            dryrun.predicted_speedup(r, traces, profile),
+            sum(len(run.records) for run in r),
+        )
+        for name, r in runs.items()
+    }
 
 
 def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
@@ -546,7 +562,8 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         cfg = replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
-    arms = build_arms(names, pair, cfg, prompt_ids=[p.id for p in prompts])
+    policies: dict[str, Callable[[], Any]] = {}
+    arms = build_arms(names, pair, cfg, prompt_ids=[p.id for p in prompts], policies=policies)
     arms.update(extra_arms or {})
     results = {name: PolicyResult(name) for name in arms}
     for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
@@ -605,9 +622,10 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     ordered = [results[n] for n in arms]
     if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
         data, profile, prefill = _replay_pass(pair, prompts, cfg)
+        predicted = _exact_predictions(pair, prompts, cfg, policies, profile)
         for res in ordered:
-            res.predicted = _predict(res.name, data, profile, prefill, cfg)
-        oracle = _predict("oracle", data, profile, prefill, cfg)
+            res.predicted, res.predicted_forwards = predicted.get(res.name, (None, None))
+        oracle = _predict_oracle(data, profile, prefill)
         ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
     machine = (
         f"{platform.machine()} {platform.processor() or ''}".strip()
