@@ -112,6 +112,9 @@ class PolicyResult:
     predicted: float | None = None
     """Exact replay's speed-up for this arm over the same prompts, priced by the latency profile
     measured in this run (None: not a uag greedy arm, or no oracle pass)."""
+    predicted_seconds: float | None = None
+    """Exact replay's priced seconds for one pass over the prompts (the measurement: ``seconds``
+    over the repeats; target-only: replay's price for the target alone)."""
     predicted_forwards: int | None = None
     """Target forwards (rounds) of the exact replay over the prompts, once each: every repeat of
     the arm makes these same rounds."""
@@ -172,6 +175,9 @@ class PolicyResult:
             else None,
             "replay_predicted": None if self.predicted is None else round(self.predicted, 4),
             "replay_target_forwards": self.predicted_forwards,
+            "replay_seconds": None
+            if self.predicted_seconds is None
+            else round(self.predicted_seconds, 3),
         }
 
 
@@ -219,6 +225,8 @@ class BenchReport:
     machine: str
     prompts: int
     config: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
+    """The latency profile replay priced with (measured in this run)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -226,6 +234,7 @@ class BenchReport:
             "machine": self.machine,
             "prompts": self.prompts,
             "config": self.config,
+            "profile": self.profile,
         }
 
     def markdown(self) -> str:
@@ -513,10 +522,10 @@ def _exact_predictions(
     cfg: BenchConfig,
     policies: dict[str, Callable[[], Any]],
     profile: Any,
-) -> dict[str, tuple[float, int]]:
+) -> dict[str, tuple[float, int, float]]:
     """Exact replay per uag arm (``uag.dryrun``): one recorded target-alone run per prompt,
-    then each arm's policy through the real loop against it; (speed-up priced by ``profile``,
-    target forwards)."""
+    then each arm's policy through the real loop against it; (speed-up, target forwards,
+    seconds), priced by ``profile``; "target-only" holds the target alone's price."""
     from uag import dryrun
     from uag.api import encode_prompt, render_prompt
 
@@ -534,13 +543,17 @@ def _exact_predictions(
                     pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
                 )
             )
-    return {
+    out = {
         name: (
             dryrun.predicted_speedup(r, traces, profile),
             sum(len(run.records) for run in r),
+            sum(dryrun.priced_seconds(run, t, profile) for run, t in zip(r, traces, strict=True)),
         )
         for name, r in runs.items()
     }
+    alone = sum(dryrun.alone_seconds(t, profile) for t in traces)
+    out["target-only"] = (1.0, sum(len(t.ids) for t in traces), alone)
+    return out
 
 
 def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
@@ -620,11 +633,16 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 variance=sum(v for _, v in res.scored),
             )
     ordered = [results[n] for n in arms]
+    measured_profile = None
     if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
         data, profile, prefill = _replay_pass(pair, prompts, cfg)
         predicted = _exact_predictions(pair, prompts, cfg, policies, profile)
         for res in ordered:
-            res.predicted, res.predicted_forwards = predicted.get(res.name, (None, None))
+            if res.name == "target-only" and res.name in predicted:
+                res.predicted_seconds = predicted[res.name][2]
+            elif res.name in predicted:
+                res.predicted, res.predicted_forwards, res.predicted_seconds = predicted[res.name]
+        measured_profile = profile.to_dict()
         oracle = _predict_oracle(data, profile, prefill)
         ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
     machine = (
@@ -634,7 +652,13 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     config = {
         k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
     }
-    return BenchReport(policies=ordered, machine=machine, prompts=len(prompts), config=config)
+    return BenchReport(
+        policies=ordered,
+        machine=machine,
+        prompts=len(prompts),
+        config=config,
+        profile=measured_profile,
+    )
 
 
 def _prompt_ids(pair: Any, prompt: str, *, chat: bool) -> list[int]:
