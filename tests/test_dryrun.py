@@ -123,14 +123,14 @@ def test_pricing_adds_the_profiles_prices_round_by_round():
     )
     rec = dryrun.IterationRecord  # the loop's own record type
 
-    def r(drafted: int, candidates: int) -> dryrun.IterationRecord:
-        return rec(drafted, candidates, 0, 1, 0, 0.0, 0.0, 0.0, 0.0)
+    def r(drafted: int, candidates: int, policy_s: float = 0.0) -> dryrun.IterationRecord:
+        return rec(drafted, candidates, 0, 1, 0, 0.0, 0.0, 0.0, policy_s)
 
-    run = dryrun.ReplayRun(records=[r(0, 0), r(2, 2), r(0, 0), r(1, 5)], assistant_prefill_s=0.1)
+    records = [r(0, 0, 9.0), r(2, 2), r(0, 0), r(1, 5, 0.004)]  # round 0's policy time: unpriced
+    run = dryrun.ReplayRun(records=records, assistant_prefill_s=0.1)
     trace = dryrun.TargetTrace((1, 2), (3, 4, 5, 6, 7), (0.5,) * 5, (1.0,) * 5, prefill_s=0.2)
-    rounds = (
-        (0.002 + 0.003 + 0.02 + 0.07) + (0.002 + 0.05) + (0.002 + 0.003 + 0.01 + 0.07 + 3 * 0.01)
-    )
+    rounds = (0.002 + 0.003 + 0.02 + 0.07) + (0.002 + 0.05)
+    rounds += 0.002 + 0.003 + 0.01 + 0.07 + 3 * 0.01 + 0.004  # extrapolated verify, policy time
     assert dryrun.priced_seconds(run, trace, profile) == pytest.approx(0.2 + 0.1 + rounds)
     assert dryrun.alone_seconds(trace, profile) == pytest.approx(0.2 + 4 * 0.05)
     assert dryrun.predicted_speedup([run], [trace], profile) == pytest.approx(
