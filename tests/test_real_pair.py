@@ -249,3 +249,24 @@ def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
             assert tuple(live.token_ids) == trace.ids
             rounds = [[getattr(r, f) for f in fields] for r in run.records]
             assert rounds == [[getattr(r, f) for f in fields] for r in live.iterations], name
+
+
+def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
+    """Issue 9's lock-in: the schema-1 controller read a short, fully accepted round as a reason
+    to stop, and froze into skipping. With the target as its own assistant every draft is
+    accepted; the shipped controller must keep drafting in every round, on code, prose and CJK."""
+    from pathlib import Path
+
+    from controllers.learned import LearnedPolicy
+
+    pair = uag.load_pair(target="gemma-3-270m", assistant="gemma-3-270m")
+    policy = LearnedPolicy(Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx")
+    for name in ("python_deep_indent", "prose", "cjk"):
+        out = uag.generate(pair, NASTY_PROMPTS[name], policy=policy, max_new_tokens=48)
+        rounds, room = [], 48
+        for r in out.iterations:
+            if room > 1 and r is not out.iterations[0]:  # round 0: the prompt; room 1: no draft
+                rounds.append(r)
+            room -= r.emitted
+        assert rounds and all(r.drafted >= 1 for r in rounds), (name, [r.drafted for r in rounds])
+        assert sum(r.accepted_drafts for r in rounds) == sum(r.drafted for r in rounds), name
