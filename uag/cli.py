@@ -727,7 +727,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated: target-only, static[-K], heuristic[-K], confidence[-T], "
         "entropy[-T] (the same names as uag generate --policy), transformers, learned "
         "(--controller's), learned:PATH.onnx (another controller, to compare two in one run), "
-        f"oracle (default: {DEFAULT_POLICIES}; with --sample: "
+        "oracle (simulated; it also makes the run predict every uag greedy arm by exact replay, "
+        "printed beside its measurement) "
+        f"(default: {DEFAULT_POLICIES}; with --sample: "
         f"{SAMPLING_POLICIES})",
     )
     p.add_argument(
