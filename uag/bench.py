@@ -350,9 +350,7 @@ def transformers_generate(
     assistant's head in place, so it needs a copy of its own)."""
     import torch
 
-    from uag.api import encode_prompt, render_prompt
-
-    ids, _ = encode_prompt(pair, render_prompt(pair, prompt, chat=chat))
+    ids, _ = _encoded(pair, prompt, chat=chat)
     input_ids = torch.tensor([ids], device=pair.target.device)
     tok = pair.target.tokenizer
     extra: dict[str, Any] = {}
@@ -527,14 +525,13 @@ def _exact_predictions(
     then each arm's policy through the real loop against it; (speed-up, target forwards,
     seconds), priced by ``profile``; "target-only" holds the target alone's price."""
     from uag import dryrun
-    from uag.api import encode_prompt, render_prompt
 
     if not policies:
         return {}
     traces: list[dryrun.TargetTrace] = []
     runs: dict[str, list[dryrun.ReplayRun]] = {name: [] for name in policies}
     for p in prompts:
-        target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, p.text, chat=cfg.chat))
+        target_ids, assistant_ids = _encoded(pair, p.text, chat=cfg.chat)
         trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
         traces.append(trace)
         for name, make in policies.items():
@@ -598,7 +595,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             rounds += 1
             reference = runs["target-only"].ids
             if sampling is not None:  # scored after the timed runs, outside them
-                prompt_ids = _prompt_ids(pair, prompt.text, chat=cfg.chat)
+                prompt_ids, _ = _encoded(pair, prompt.text, chat=cfg.chat)
                 for arm_index, (name, run) in enumerate(runs.items()):
                     scored = score_run(
                         pair, prompt_ids, run.ids, sampling, seed=rounds * 1009 + arm_index
@@ -661,10 +658,11 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     )
 
 
-def _prompt_ids(pair: Any, prompt: str, *, chat: bool) -> list[int]:
+def _encoded(pair: Any, prompt: str, *, chat: bool) -> tuple[list[int], list[int]]:
+    """The prompt as uag's loop sees it: (target ids, assistant ids)."""
     from uag.api import encode_prompt, render_prompt
 
-    return encode_prompt(pair, render_prompt(pair, prompt, chat=chat))[0]
+    return encode_prompt(pair, render_prompt(pair, prompt, chat=chat))
 
 
 def write_report(report: BenchReport, out: Path) -> None:

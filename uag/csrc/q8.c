@@ -387,8 +387,9 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
                    int64_t O, const float *wo) {
     const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * levels;
-    /* AMX passes all have one row count per call, so the last may read up to 15 rows past R */
-    uint8_t *u = (uint8_t *)calloc((size_t)((R + 16) * Kp), 1);
+    /* AMX passes all have one height, so the last may read up to 15 rows past R (their sums
+     * are never used) */
+    uint8_t *u = (uint8_t *)malloc((size_t)((R + AMX_ROWS) * Kp));
     float *xs = (float *)malloc(sizeof(float) * (size_t)R);
     int32_t *zp = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *res = levels > 1 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
@@ -428,13 +429,13 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             int64_t m0 = 0;
             for (int64_t p = 0; p < passes; p++) {
                 const int64_t left = rows - m0, rest = passes - p;
-                const int mb = (int)((left + rest - 1) / rest);
+                /* AMX: every pass the same height, so a thread's tiles are configured once */
+                const int mb = (int)(amx ? (rows + passes - 1) / passes : (left + rest - 1) / rest);
 #if HAVE_AMX
                 if (amx) {
-                    const int even = (int)((rows + passes - 1) / passes); /* one shape per call */
-                    if (configured != even) amx_configure(even), configured = even;
+                    if (configured != mb) amx_configure(mb), configured = mb;
                     amx_tile(u + (g0 + m0) * Kp, Kp, Kq, wt, width, state + m0 * 8);
-                    m0 += even;
+                    m0 += mb;
                     continue;
                 }
 #endif
