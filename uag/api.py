@@ -260,13 +260,16 @@ def _pair(
     assistant_int8: bool,
     kernels: str,
 ) -> Pair:
-    """The pair, with the bridge between the two vocabularies."""
+    """The pair, with the bridge between the two vocabularies; each model's streamed weights
+    in huge pages (``uag.hugepages``: a move already under way finishes last)."""
     bridge = Bridge.for_tokenizers(
         target=target.tokenizer,
         assistant=assistant.tokenizer,
         target_vocab=target_lm.vocab_size,
         assistant_vocab=assistant_lm.vocab_size,
     )
+    for lm in (target_lm, assistant_lm):
+        lm.move_to_huge_pages()
     return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, kernels)
 
 

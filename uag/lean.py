@@ -243,9 +243,9 @@ class LeanBody:
         self.rope = _Rope(body.rotary_emb, self.layer_types, gemma=self.gemma)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self._attach_native()
+        self.attach_native()
 
-    def _attach_native(self) -> None:
+    def attach_native(self) -> None:
         from uag.native_layer import NativeLayers
 
         self.native = NativeLayers.for_body(self)
@@ -259,7 +259,17 @@ class LeanBody:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._attach_native()
+        self.attach_native()
+
+    def streamed(self) -> list[tuple[Any, str]]:
+        """What every native forward reads in full: its layers' weights, as slots for
+        ``uag.hugepages.move`` (none where the layers do not run natively)."""
+        if self.native is None:
+            return []
+        linears = (
+            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        return [slot for m in linears if m is not None for slot in m.streamed()]
 
     def new_cache(self) -> LeanCache:
         return LeanCache(

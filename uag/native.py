@@ -638,6 +638,12 @@ class NativeLinear(nn.Module):
         self.exact_format = ""
         self._fn = self.lib.uag_linear_f32
 
+    def streamed(self) -> list[tuple[nn.Module, str]]:
+        """The tensors every forward reads in full, as (owner, attribute) slots for
+        ``uag.hugepages.move``."""
+        names = ("weight_ilv", "block_scales", "scales", "wsum", "bias_padded")
+        return [(self, name) for name in names]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:

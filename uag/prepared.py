@@ -62,6 +62,9 @@ class Prepared:
     softcap: float | None
     eos_ids: frozenset[int]
     row_invariant: bool
+    moving: Any = None
+    """The move of its streamed weights into huge pages (``uag.hugepages.Move``), started as
+    soon as the file is read so that it overlaps loading the tokenizer; None in the file."""
 
     def cached_lm(self) -> CachedLM:
         lm = CachedLM.from_lean(
@@ -72,6 +75,7 @@ class Prepared:
             fast_head=self.fast_head,
         )
         lm.row_invariant = self.row_invariant
+        lm.moving, self.moving = self.moving, None  # finished once the pair is assembled
         return lm
 
 
@@ -123,8 +127,8 @@ def load(
     path = _path(directory, role)
     if path.with_suffix(".none").is_file():
         return None
+    prepared = _read(path)  # first: its move into huge pages runs while the tokenizer loads
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-    prepared = _read(path)
     if prepared is None:
         say = log or (lambda msg: print(msg, file=sys.stderr))
         say(f"uag: preparing {ref} as {role} for the native kernels (once per model and uag build)")
@@ -158,6 +162,10 @@ def _read(path: Path) -> Prepared | None:
     except Exception:  # a damaged or foreign entry: build it again  # noqa: BLE001
         found = None
     if isinstance(found, Prepared):
+        from uag import hugepages
+        from uag.runner import streamed_slots
+
+        found.moving = hugepages.Move(streamed_slots(found.lean, found.head, found.fast_head))
         return found
     path.unlink(missing_ok=True)
     return None

@@ -19,6 +19,15 @@ from torch import nn
 from uag.lean import LeanBody, lean_body_for
 
 
+def streamed_slots(lean: Any, head: Any, fast_head: Any) -> list[tuple[Any, str]]:
+    """The tensors a greedy step reads in full: the lean body's native layers, and the head's
+    product (the screened head's, else a native head's), as (owner, attribute) slots for
+    ``uag.hugepages``."""
+    slots = lean.streamed() if lean is not None else []
+    reader = getattr(fast_head if fast_head is not None else head, "streamed", None)
+    return slots + (reader() if reader is not None else [])
+
+
 class CachedLM:
     """One model's running sequence: ids, KV cache, and the two heads."""
 
@@ -93,6 +102,27 @@ class CachedLM:
         self.cached = 0
         self.cache: Any = None
         self._full: nn.Module | None = None
+        self.in_huge_pages = False
+        """``move_to_huge_pages`` ran (the weights are shared by ``twin``s: once is enough)."""
+        self.moving: Any = None
+        """A ``uag.hugepages.Move`` of ``streamed()`` under way (``uag.prepared`` starts one)."""
+
+    def streamed(self) -> list[tuple[Any, str]]:
+        """What every greedy step reads in full, as slots for ``uag.hugepages``."""
+        return streamed_slots(self.lean, self.head, self._greedy.fast if self._greedy else None)
+
+    def move_to_huge_pages(self) -> int:
+        """Move ``streamed()`` into huge pages (``uag.hugepages``), or finish the move already
+        under way (``moving``); once per model. Returns the bytes moved."""
+        from uag import hugepages
+
+        if self.in_huge_pages:
+            return 0
+        moved = (self.moving or hugepages.Move(self.streamed())).finish()
+        self.in_huge_pages, self.moving = True, None
+        if moved and self.lean is not None:
+            self.lean.attach_native()  # its C structs point into the weights
+        return moved
 
     def twin(self) -> CachedLM:
         """Another sequence on the same model and heads, with its own ids and cache."""

@@ -140,6 +140,13 @@ class ScreenedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.greedy(hidden)[1]
 
+    def streamed(self) -> list[tuple[nn.Module, str]]:
+        """What every ``greedy`` call reads in full (``uag.hugepages.move``): the int8 product's
+        weights, the outlier channels' fp32 weights and the per-row bounds."""
+        return self.approx.streamed() + [
+            (self, name) for name in ("exact_weight", "row_bound", "row_l1")
+        ]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The head's fp32 weight rows ``ids`` (``[len(ids), h]``)."""
         if self.exact is not None:

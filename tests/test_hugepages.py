@@ -1,0 +1,84 @@
+"""Streamed weights in huge pages (uag.hugepages): same bits, same tokens, advised memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import uag
+from controllers.rules import StaticPolicy
+from tests.tiny import cross_pair
+from uag import hugepages, native
+
+needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages")
+needs_native = pytest.mark.skipif(
+    native.native_unavailable() is not None, reason="native kernels unavailable"
+)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(part, 16) for part in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_thp
+def test_move_keeps_every_bit_and_advises_the_region():
+    shared = torch.randn(300_000)
+    owner = SimpleNamespace(
+        a=shared,
+        b=torch.arange(1000, dtype=torch.int32).reshape(10, 100),
+        same=shared,  # one tensor under two names: moved once, both names see the copy
+        none=None,
+        empty=torch.empty(0),
+    )
+    before = {name: getattr(owner, name).clone() for name in ("a", "b")}
+    moved = hugepages.move([(owner, n) for n in ("a", "b", "same", "none", "empty")])
+    assert moved >= (300_000 * 4 + 1000 * 4)
+    for name, value in before.items():
+        now = getattr(owner, name)
+        assert torch.equal(now, value) and now.dtype == value.dtype and now.shape == value.shape
+        assert now.data_ptr() % hugepages.ALIGN == 0
+        assert "hg" in _vm_flags(now.data_ptr())  # madvise(MADV_HUGEPAGE) took
+    assert owner.same is owner.a and owner.a.data_ptr() != shared.data_ptr()
+    assert owner.none is None and owner.empty.numel() == 0
+
+
+def test_move_does_nothing_when_turned_off(monkeypatch):
+    monkeypatch.setenv("UAG_HUGE_PAGES", "0")
+    owner = SimpleNamespace(a=torch.randn(1000))
+    kept = owner.a
+    assert hugepages.move([(owner, "a")]) == 0 and owner.a is kept
+
+
+@needs_native
+@needs_thp
+def test_pair_in_huge_pages_decodes_the_same_tokens(tokenizers, monkeypatch):
+    monkeypatch.setenv("UAG_HUGE_PAGES", "0")
+    plain = cross_pair(tokenizers, kernels="native")
+    monkeypatch.setenv("UAG_HUGE_PAGES", "1")
+    huge = cross_pair(tokenizers, kernels="native")
+    for lm in (huge.target_lm, huge.assistant_lm):  # the body's C structs were re-pointed
+        assert lm.lean is not None and lm.lean.native is not None
+        moved = [getattr(o, n) for o, n in lm.lean.streamed()]
+        moved = [t for t in moved if isinstance(t, torch.Tensor) and t.numel()]
+        assert moved and all("hg" in _vm_flags(t.data_ptr()) for t in moved)
+        first = lm.lean.layers[0]
+        assert lm.lean.native.structs[0].qkv.weight == first.qkv.weight_ilv.data_ptr()
+    for prompt in ("def f(x):\n    return", "Hello 😀 你好\r\n  x = 10**20"):
+        ref = uag.generate(plain, prompt, policy=None, max_new_tokens=24)
+        for pair in (plain, huge):
+            out = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=24)
+            assert out.token_ids == ref.token_ids
+        alone = uag.generate(huge, prompt, policy=None, max_new_tokens=24)
+        assert alone.token_ids == ref.token_ids
