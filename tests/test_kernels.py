@@ -564,3 +564,35 @@ def test_avx512_and_avx2_paths_give_the_same_bits(form):
         lib.uag_set_avx512(1)
     if not wide:
         pytest.skip("this CPU has no AVX-512: only the AVX2 path ran")
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["random", "spike", "tied", "short", "wide"])
+def test_draft_stats_match_torch(case):
+    """The C pass a draft step reads (argmax, top-2 probabilities, entropy) against torch in
+    float64; the lowest id wins a tie, as argmax's."""
+    g = torch.Generator().manual_seed(sum(map(ord, case)))
+    size = {"short": 13, "wide": 262_147}.get(case, 49_152)
+    logits = torch.randn(size, generator=g) * 4
+    if case == "spike":
+        logits[777] += 60.0  # p1 ~ 1, p2 ~ e^-50: the entropy lives in the far tail
+    if case == "tied":
+        logits[:] = 0.25
+        logits[[5, 9]] = 3.0
+    tok, p1, p2, entropy = native.draft_stats(logits)
+    probs = torch.softmax(logits.double(), dim=-1)
+    top = torch.topk(probs, 2).values.tolist()
+    expect = float(-(probs * torch.log(probs.clamp_min(1e-300))).sum())
+    assert tok == int(probs.argmax()) == (5 if case == "tied" else tok)
+    assert p1 == pytest.approx(top[0], rel=1e-6)
+    assert p2 == pytest.approx(top[1], rel=1e-5, abs=1e-30)
+    assert entropy == pytest.approx(expect, rel=1e-5, abs=1e-9)
+
+
+def test_draft_stats_fall_back_to_torch_without_the_kernels(monkeypatch):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(native, "_library", lambda: (None, "test"))
+    tok, p1, p2, entropy = native.draft_stats(logits)
+    probs = torch.softmax(logits, dim=-1)
+    assert tok == int(probs.argmax()) and p1 == pytest.approx(float(probs.max()))
+    assert entropy == pytest.approx(float(-(probs * probs.log()).sum()), rel=1e-5)

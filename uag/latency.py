@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from uag.native import draft_stats
 from uag.runner import CachedLM
 
 PROFILE_CONTEXT = 192
@@ -137,7 +138,7 @@ def measure_profile(
     def draft() -> None:
         assistant.ids.append(assistant_ids[PROFILE_CONTEXT])
         hidden = assistant.forward()
-        torch.softmax(assistant.logits(hidden[-1:])[0], dim=-1).max()
+        draft_stats(assistant.logits(hidden[-1:])[0])  # what a draft step computes
         assistant.truncate(PROFILE_CONTEXT)
 
     def verify(m: int, *, stats: bool = True) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 SOURCES = (
     Path(__file__).parent / "csrc" / "skinny.c",  # the matrix products
     Path(__file__).parent / "csrc" / "layer.c",  # a whole decoder layer around them
-    Path(__file__).parent / "csrc" / "screen.c",  # candidates of the exact greedy head
+    Path(__file__).parent / "csrc" / "screen.c",  # the greedy head's candidates, draft stats
     Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
     Path(__file__).parent / "csrc" / "q4.c",  # 4-bit weights x int8 activations (approximate)
 )
@@ -130,6 +130,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_block_affine.argtypes = [p, i64, i64, p, p]
     lib.uag_screen.restype = i64
     lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, ctypes.c_float, p, p, i64]
+    lib.uag_draft_stats.restype = i64
+    lib.uag_draft_stats.argtypes = [p, i64, p]
     return lib
 
 
@@ -794,3 +796,20 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
             p.bias_padded = fused.bias_padded[start * BLOCK_ROWS : (start + blocks) * BLOCK_ROWS]
         start += blocks
     return fused
+
+
+def draft_stats(logits: torch.Tensor) -> tuple[int, float, float, float]:
+    """``(argmax id, top probability, second probability, entropy)`` of ``softmax(logits)``
+    (``[V]``): what a drafted token's features read. One C pass (``screen.c``) on CPU float32
+    where the kernels are built (torch's five ops cost ~0.45 ms a draft step), else torch."""
+    lib = _library()[0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is not None:
+        x = logits.contiguous()
+        out = (ctypes.c_double * 3)()
+        top = int(lib.uag_draft_stats(x.data_ptr(), x.numel(), out))
+        if top >= 0:  # else NaN logits: torch says what it makes of them
+            return top, out[0], out[1], out[2]
+    probs = torch.softmax(logits.float(), dim=-1)
+    best = torch.topk(probs, 2)
+    entropy = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
+    return int(best.indices[0]), float(best.values[0]), float(best.values[1]), entropy

@@ -185,11 +185,9 @@ class ScreenedHead(nn.Module):
         union, where = torch.unique(cols, return_inverse=True)
         exact = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
         logits[rows, cols] = exact
-        ids = []
-        for r in range(x.shape[0]):  # candidates are sorted by id within a row: ties go low
-            mine = rows == r
-            ids.append(int(cols[mine][exact[mine].argmax()]))
-        return ids, logits.reshape(*hidden.shape[:-1], self.out_features)
+        return _row_argmax(rows, cols, exact, x.shape[0]), logits.reshape(
+            *hidden.shape[:-1], self.out_features
+        )
 
     def approximate(self, x: torch.Tensor, *, levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [n, h]`` → (approximate logits ``[n, V]``, ``r [n]``): logit (m, v) is within
@@ -226,6 +224,18 @@ class ScreenedHead(nn.Module):
             if count >= 0:
                 return rows[:count], cols[:count]
             cap = n * self.out_features  # rare (near-flat distributions): room for everything
+
+
+def _row_argmax(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, n: int) -> list[int]:
+    """Per row r < n, the id in ``cols`` of the largest of ``values`` among the entries with
+    ``rows == r`` (every row has one), the lowest id on a tie, as ``argmax`` over the full row
+    would pick. A fixed handful of ops whatever n: a loop over rows cost ~0.08 ms a row."""
+    best = torch.full((n,), -torch.inf).scatter_reduce(0, rows, values, "amax")
+    top = values == best[rows]
+    lowest = torch.full((n,), torch.iinfo(torch.int64).max).scatter_reduce(
+        0, rows[top], cols[top], "amin"
+    )
+    return lowest.tolist()
 
 
 def _exact_product(

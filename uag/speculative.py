@@ -38,6 +38,7 @@ import torch
 from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
 from uag.bridge import Bridge, ends_on_char_boundary
 from uag.kernels import ROWWISE_MAX_ROWS
+from uag.native import draft_stats
 from uag.runner import CachedLM, HeadOutput
 
 StopReason = Literal["eos", "max_new_tokens"]
@@ -343,11 +344,7 @@ def speculative_generate(
         for position in range(1, min(budget, room - 1) + 1):
             t0 = clock()
             hidden = assistant.forward()
-            probs = torch.softmax(assistant.logits(hidden[-1:])[0], dim=-1)  # [V]
-            top = torch.topk(probs, 2)
-            tok = int(top.indices[0])
-            p1, p2 = float(top.values[0]), float(top.values[1])
-            entropy = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
+            tok, p1, p2, entropy = draft_stats(assistant.logits(hidden[-1:])[0])
             draft_s += clock() - t0
             if position == 1:
                 first_draft_s = draft_s
