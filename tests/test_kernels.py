@@ -596,3 +596,63 @@ def test_draft_stats_fall_back_to_torch_without_the_kernels(monkeypatch):
     probs = torch.softmax(logits, dim=-1)
     assert tok == int(probs.argmax()) and p1 == pytest.approx(float(probs.max()))
     assert entropy == pytest.approx(float(-(probs * probs.log()).sum()), rel=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("form", ["block_int8", "block_affine", "fp32"])
+@pytest.mark.parametrize("scale", [1.0, 25.298221])
+def test_gathered_rows_in_c_are_torchs_bits(form, scale):
+    """An embedding lookup / the screened head's candidate rows: the C gather gives bitwise what
+    the torch formula does (and, unscaled, the weight itself)."""
+    gen = torch.Generator().manual_seed(11)
+    if form == "block_int8":
+        linear = _gguf_like_linear(261, 640, steps=127)
+    else:
+        linear = nn.Linear(64, 261)
+        with torch.no_grad():
+            linear.weight.copy_(
+                native.affine_like_weight(261, 64, levels=16, generator=gen)
+                if form == "block_affine"
+                else torch.randn(261, 64, generator=gen)
+            )
+    layer = native.NativeLinear(linear)
+    assert layer.exact_format == ("" if form == "fp32" else form)
+    ids = torch.tensor([0, 260, 7, 8, 7, 133])
+    fast = layer.rows(ids, scale=scale)
+    layer.lib = None  # the torch formula
+    slow = layer.rows(ids, scale=scale)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast, linear.weight[ids] * torch.tensor(scale))
+
+
+@needs_native
+def test_lean_rope_rows_depend_on_the_position_only(tokenizers):
+    """The rotary rows come from one table, grown in blocks: a position's rows are the same
+    bits whichever forward asks, before and after the table grows, and equal the direct
+    computation's values."""
+    pair = cross_pair(tokenizers, kernels="native")
+    rope = pair.target_lm.lean.rope
+    rope._table = None
+    first = rope(torch.arange(60, 70), torch.float32)  # grows across a block boundary
+    later = rope(torch.arange(0, 200), torch.float32)  # grows again, doubling
+    for kind, (cos, sin) in first.items():
+        assert torch.equal(later[kind][0][60:70], cos) and torch.equal(later[kind][1][60:70], sin)
+        direct = rope._compute(torch.arange(60, 70), torch.float32)[kind]
+        assert torch.allclose(cos, direct[0], atol=1e-6) and torch.allclose(
+            sin, direct[1], atol=1e-6
+        )
+        one = rope(torch.arange(65, 66), torch.float32)[kind]
+        assert torch.equal(one[0], cos[5:6]) and one[0].is_contiguous()
+
+
+@needs_native
+def test_lean_final_norm_in_c_is_rowwise_and_close_to_torch(tokenizers):
+    pair = cross_pair(tokenizers, kernels="native")
+    lean = pair.assistant_lm.lean
+    x = torch.randn(5, lean.final_norm.shape[0]) * 3
+    y = lean.native.norm(x, lean.final_norm)
+    assert torch.allclose(y, lean.final_norm(x), rtol=1e-5, atol=1e-6)
+    for i in range(5):
+        assert torch.equal(
+            lean.native.norm(x[i : i + 1].contiguous(), lean.final_norm), y[i : i + 1]
+        )

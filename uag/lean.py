@@ -102,11 +102,10 @@ class _Embedding:
         self.scale = None if scale is None else scale.to(module.weight.dtype)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.exact is not None:
-            rows = self.exact.rows(ids)
-        else:
-            assert self.weight is not None
-            rows = F.embedding(ids, self.weight)
+        if self.exact is not None:  # scaled in the same fp32 multiply, in one C call
+            return self.exact.rows(ids, scale=1.0 if self.scale is None else float(self.scale))
+        assert self.weight is not None
+        rows = F.embedding(ids, self.weight)
         return rows if self.scale is None else rows * self.scale
 
 
@@ -114,6 +113,10 @@ class _Rope:
     """Rotary cos/sin per layer kind, computed as Transformers' Llama and Gemma 3 modules do
     (position times inverse frequency, doubled, cos/sin times the attention scaling), from
     their own frequency tables (any rope type whose tables do not change with the length)."""
+
+    BLOCK = 64
+    """Positions per computed block of the CPU table: a fresh block costs what one forward's
+    rows did (~0.1 ms, ten cold ops); later forwards slice it."""
 
     def __init__(self, rotary: Any, kinds: list[str], *, gemma: bool) -> None:
         self.tables: dict[str, tuple[torch.Tensor, float]] = {}
@@ -124,11 +127,48 @@ class _Rope:
             else:
                 inv, scaling = rotary.inv_freq, rotary.attention_scaling
             self.tables[kind] = (inv.detach().float().clone(), float(scaling))
+        self._table: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """CPU float32 cos/sin rows for positions 0, 1, ...: grown on demand, never saved."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``positions`` ``[n]`` → ``{kind: (cos [n, d], sin [n, d])}``."""
+        """``positions`` ``[n]`` (consecutive) → ``{kind: (cos [n, d], sin [n, d])}``.
+
+        On CPU in float32 the rows come from a table grown a block at a time: the same values
+        bit for bit, since each entry is the same product, cos and sin, whatever else is in the
+        call (the head dimension is a multiple of the vector width, so no entry falls in a
+        scalar tail)."""
+        if positions.device.type != "cpu" or dtype != torch.float32:
+            return self._compute(positions, dtype)
+        start, n = int(positions[0]), int(positions.shape[0])
+        have = 0 if self._table is None else next(iter(self._table.values()))[0].shape[0]
+        if start + n > have:  # grow: double, in blocks computed one call each (no thread split)
+            upto = max(-(-(start + n) // self.BLOCK) * self.BLOCK, 2 * have)
+            blocks = [
+                self._compute(torch.arange(b, b + self.BLOCK), dtype)
+                for b in range(have, upto, self.BLOCK)
+            ]
+            old = [] if self._table is None else [self._table]
+            self._table = {
+                kind: (
+                    torch.cat([t[kind][0] for t in old + blocks]),
+                    torch.cat([t[kind][1] for t in old + blocks]),
+                )
+                for kind in blocks[0]
+            }
+        table = self._table
+        assert table is not None
+        return {
+            kind: (c[start : start + n], s[start : start + n]) for kind, (c, s) in table.items()
+        }
+
+    def _compute(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
         for kind, (inv, scaling) in self.tables.items():
             freqs = positions[:, None].float() * inv.to(positions.device)
@@ -291,7 +331,7 @@ class LeanBody:
         if self.native is not None and n <= ROWWISE_MAX_ROWS:
             hidden = self.native(hidden.contiguous(), cache, start, rope)
             cache.length = start + n
-            return self.final_norm(hidden)
+            return self.native.norm(hidden, self.final_norm)
         rope = {kind: (cos[:, None, :], sin[:, None, :]) for kind, (cos, sin) in rope.items()}
         for index, layer in enumerate(self.layers):
             kind = self.layer_types[index]

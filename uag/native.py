@@ -130,6 +130,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_block_affine.argtypes = [p, i64, i64, p, p]
     lib.uag_screen.restype = i64
     lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, ctypes.c_float, p, p, i64]
+    lib.uag_rms_norm_rows.restype = None
+    lib.uag_rms_norm_rows.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    lib.uag_gather_rows.restype = None
+    lib.uag_gather_rows.argtypes = [i64, p, p, i64, p, i64, ctypes.c_float, p]
     lib.uag_draft_stats.restype = i64
     lib.uag_draft_stats.argtypes = [p, i64, p]
     return lib
@@ -590,23 +594,34 @@ class NativeLinear(nn.Module):
             else lib.uag_linear_f32
         )
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
         """Weight rows ``ids`` as fp32 ``[len(ids), in]``, exactly as the kernel multiplies them
         (an embedding lookup or the screened head's exact candidates, without an fp32 copy of
-        the whole matrix)."""
+        the whole matrix), each value times ``scale`` in one fp32 multiply. In one C call
+        (``skinny.c``), else torch: the same bits."""
         if self.q4 or (self.int8 and not self.blocked):
             raise ValueError("rows(): only fp32 and exact block storage hold the weights exactly")
         ids = ids.long()
+        fmt = {"block_int8": 2, "block_affine": 3}.get(self.exact_format, 0)
+        if self.lib is not None and self.weight_ilv.device.type == "cpu":  # one C call
+            ids = ids.contiguous()
+            out = torch.empty(len(ids), self.in_features)
+            self.lib.uag_gather_rows(
+                fmt, self.weight_ilv.data_ptr(),
+                self.block_scales.data_ptr() if fmt else None, self.in_features,
+                ids.data_ptr(), len(ids), ctypes.c_float(scale), out.data_ptr(),
+            )  # fmt: skip
+            return out
         w = self.weight_ilv[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [n, steps, k_step]
         w = w.reshape(len(ids), -1)[:, : self.in_features].float()
         if self.exact_format == "block_int8":
             s = self.block_scales[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [n, K/32]
-            return w * s.repeat_interleave(BLOCK_K, dim=1)
-        if self.exact_format == "block_affine":
+            w = w * s.repeat_interleave(BLOCK_K, dim=1)
+        elif self.exact_format == "block_affine":
             p = self.block_scales[ids // BLOCK_ROWS, :, :, ids % BLOCK_ROWS]  # [n, K/16, 2]
             p = p.repeat_interleave(AFFINE_K, dim=1)
-            return (w * p[..., 0]) + p[..., 1]
-        return w
+            w = (w * p[..., 0]) + p[..., 1]
+        return w if scale == 1.0 else w * scale
 
     def columns(self, channels: torch.Tensor) -> torch.Tensor:
         """Weight columns ``channels`` as fp32 ``[out, len(channels)]``, exactly as ``rows``."""

@@ -175,3 +175,14 @@ class NativeLayers:
                 scratch,
             )
         return hidden
+
+    def norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        """``x`` ``[n, h]`` (contiguous fp32) through ``norm`` (a ``uag.lean._Norm``) with the
+        layers' own RMS norm: the body's final norm, on the path these layers take."""
+        y = torch.empty_like(x)
+        lib = self.body.layers[0].qkv.lib
+        eps = ctypes.c_float(norm.eps)
+        lib.uag_rms_norm_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], norm.weight.data_ptr(), eps, y.data_ptr()
+        )
+        return y

@@ -254,3 +254,10 @@ void uag_decoder_layer(const uag_layer_t *L, float *hidden, int64_t rows, int64_
         for (int64_t c = 0; c < H; c++) h[c] = h[c] + o[c];
     }
 }
+
+/* x [rows, n] through the layers' own RMS norm into y (may be x): the body's final norm, in
+ * one call instead of torch's (~0.2 ms a forward, cold after the layers). */
+void uag_rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *w, float eps,
+                       float *y) {
+    for (int64_t i = 0; i < rows; i++) rms_norm(x + i * n, w, n, eps, y + i * n);
+}
