@@ -656,3 +656,38 @@ def test_lean_final_norm_in_c_is_rowwise_and_close_to_torch(tokenizers):
         assert torch.equal(
             lean.native.norm(x[i : i + 1].contiguous(), lean.final_norm), y[i : i + 1]
         )
+
+
+@needs_native
+@pytest.mark.parametrize("form", ["block_int8", "block_affine"])
+def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
+    """Heads held in exact blocks (Gemma's is block int8) take the C exact step: the same ids
+    and logits as the torch path, the full product's values at the winners, and an exact tie
+    between two identical rows goes to the lower id."""
+    from uag.screened import ScreenedHead
+
+    gen = torch.Generator().manual_seed(5)
+    if form == "block_int8":
+        head = _gguf_like_linear(2000, 128, steps=127, seed=5)
+    else:
+        head = nn.Linear(128, 2000)
+        with torch.no_grad():
+            head.weight.copy_(native.affine_like_weight(2000, 128, levels=16, generator=gen))
+    with torch.no_grad():
+        head.weight[5] *= 8  # exact (a power of two): row 5 now wins for x = its own direction
+        head.weight[1500] = head.weight[5]  # a tie whenever row 5 wins
+        if head.bias is not None:
+            head.bias[1500] = head.bias[5]
+    x = torch.randn(6, 128, generator=gen) * 3
+    x[2] = head.weight[5] * 40  # row 2: ids 5 and 1500 tie at the top
+    screened = ScreenedHead(head)
+    assert screened.exact is not None and screened.exact.exact_format == form
+    ids, logits = screened.greedy(x)
+    full = native.NativeLinear(head)(x)
+    assert ids == full.argmax(-1).tolist() and ids[2] == 5
+    assert full[2, 5] == full[2, 1500]
+    rows = torch.arange(6)
+    assert torch.equal(logits[rows, ids], full[rows, ids])
+    monkeypatch.setattr(ScreenedHead, "_exact_in_c", lambda *args: None)
+    again, torch_logits = screened.greedy(x)
+    assert again == ids and torch.equal(torch_logits, logits)

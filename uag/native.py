@@ -132,6 +132,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, ctypes.c_float, p, p, i64]
     lib.uag_rms_norm_rows.restype = None
     lib.uag_rms_norm_rows.argtypes = [p, i64, i64, p, ctypes.c_float, p]
+    lib.uag_exact_candidates.restype = i64
+    lib.uag_exact_candidates.argtypes = [i64, p, p, i64, p, i64, i64, p, p, p, i64, p, i64, p]
     lib.uag_gather_rows.restype = None
     lib.uag_gather_rows.argtypes = [i64, p, p, i64, p, i64, ctypes.c_float, p]
     lib.uag_draft_stats.restype = i64

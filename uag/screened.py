@@ -177,17 +177,39 @@ class ScreenedHead(nn.Module):
         norms = x.abs().sum(dim=-1)
         logits, missed = self.approximate(x)
         rows, cols = self._candidates(logits, norms, missed)
-        wide = (torch.bincount(rows, minlength=x.shape[0]) > self.RESCREEN).nonzero()[:, 0]
-        if len(wide):  # flat distributions: a second level narrows each of those rows' bounds
-            logits[wide], missed[wide] = self.approximate(x[wide], levels=2)
-            rows, cols = self._candidates(logits, norms, missed)
+        if cols.numel() > self.RESCREEN:  # some row may have more: only then count them
+            wide = (torch.bincount(rows, minlength=x.shape[0]) > self.RESCREEN).nonzero()[:, 0]
+            if len(wide):  # flat distributions: a second level narrows those rows' bounds
+                logits[wide], missed[wide] = self.approximate(x[wide], levels=2)
+                rows, cols = self._candidates(logits, norms, missed)
         self.last_candidates = int(cols.numel())
-        union, where = torch.unique(cols, return_inverse=True)
-        exact = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
-        logits[rows, cols] = exact
-        return _row_argmax(rows, cols, exact, x.shape[0]), logits.reshape(
-            *hidden.shape[:-1], self.out_features
-        )
+        ids = self._exact_in_c(x, rows, cols, logits)
+        if ids is None:  # torch: the same values (the exact weight's rows, the same kernel)
+            union, where = torch.unique(cols, return_inverse=True)
+            exact = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
+            logits[rows, cols] = exact
+            ids = _row_argmax(rows, cols, exact, x.shape[0])
+        return ids, logits.reshape(*hidden.shape[:-1], self.out_features)
+
+    def _exact_in_c(
+        self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, logits: torch.Tensor
+    ) -> list[int] | None:
+        """The candidates' exact logits into ``logits`` and each row's argmax, in one C call
+        (``skinny.c``: the full product's own chain of multiply-adds for each), where the exact
+        weight is held in the kernels' layout; else None."""
+        exact, lib = self.exact, self.approx.lib
+        if exact is None or lib is None or exact.int8 or exact.q4:
+            return None
+        fmt = {"block_int8": 2, "block_affine": 3}.get(exact.exact_format, 0)
+        ids = torch.empty(x.shape[0], dtype=torch.int64)
+        done = lib.uag_exact_candidates(
+            fmt, exact.weight_ilv.data_ptr(), exact.block_scales.data_ptr() if fmt else None,
+            self.in_features, x.data_ptr(), x.stride(0), x.shape[0],
+            None if self.bias is None else self.bias.data_ptr(),
+            rows.data_ptr(), cols.data_ptr(), cols.numel(),
+            logits.data_ptr(), logits.stride(0), ids.data_ptr(),
+        )  # fmt: skip
+        return ids.tolist() if done == 0 else None
 
     def approximate(self, x: torch.Tensor, *, levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [n, h]`` → (approximate logits ``[n, V]``, ``r [n]``): logit (m, v) is within
