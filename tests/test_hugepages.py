@@ -41,9 +41,11 @@ def test_move_keeps_every_bit_and_advises_the_region():
         same=shared,  # one tensor under two names: moved once, both names see the copy
         none=None,
         empty=torch.empty(0),
+        strided=torch.arange(20.0)[::2],  # not contiguous: not a block of bytes, stays
     )
     before = {name: getattr(owner, name).clone() for name in ("a", "b")}
-    moved = hugepages.move([(owner, n) for n in ("a", "b", "same", "none", "empty")])
+    strided = owner.strided
+    moved = hugepages.move([(owner, n) for n in ("a", "b", "same", "none", "empty", "strided")])
     assert moved >= (300_000 * 4 + 1000 * 4)
     for name, value in before.items():
         now = getattr(owner, name)
@@ -51,7 +53,7 @@ def test_move_keeps_every_bit_and_advises_the_region():
         assert now.data_ptr() % hugepages.ALIGN == 0
         assert "hg" in _vm_flags(now.data_ptr())  # madvise(MADV_HUGEPAGE) took
     assert owner.same is owner.a and owner.a.data_ptr() != shared.data_ptr()
-    assert owner.none is None and owner.empty.numel() == 0
+    assert owner.none is None and owner.empty.numel() == 0 and owner.strided is strided
 
 
 def test_move_does_nothing_when_turned_off(monkeypatch):
