@@ -84,3 +84,25 @@ def test_pair_in_huge_pages_decodes_the_same_tokens(tokenizers, monkeypatch):
             assert out.token_ids == ref.token_ids
         alone = uag.generate(huge, prompt, policy=None, max_new_tokens=24)
         assert alone.token_ids == ref.token_ids
+
+
+@needs_native
+@needs_thp
+def test_full_head_moves_on_first_use_and_only_once(tokenizers, monkeypatch):
+    """Sampling reads the full head every step: it moves when first built, gives the same
+    logits, and a second move of what already moved does nothing."""
+    monkeypatch.setenv("UAG_HUGE_PAGES", "0")
+    plain = cross_pair(tokenizers, kernels="native")
+    monkeypatch.setenv("UAG_HUGE_PAGES", "1")
+    huge = cross_pair(tokenizers, kernels="native")
+    ids = huge.target.tokenizer("def f(x):\n    return x")["input_ids"]
+    rows = []
+    for pair in (plain, huge):
+        lm = pair.target_lm
+        lm.reset(ids, rollback=False)
+        rows.append(lm.full_logits(lm.forward()))
+    assert torch.equal(rows[0], rows[1])
+    full = huge.target_lm._full
+    weight = full.weight_ilv
+    assert "hg" in _vm_flags(weight.data_ptr())
+    assert hugepages.move(full.streamed()) == 0 and full.weight_ilv is weight

@@ -23,6 +23,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,18 @@ ALIGN = 64
 MADV_HUGEPAGE = 14
 MADV_PAGEOUT = 21
 _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+_REGIONS: list[tuple[int, int, list[weakref.ref[torch.Tensor]]]] = []
+"""The regions ``move`` made (start, end, its copies): a tensor inside one whose copies are not
+all gone (the memory is still the region's) is not moved again."""
+
+
+def _in_a_region(tensor: torch.Tensor) -> bool:
+    start = tensor.data_ptr()
+    return any(
+        lo <= start < hi and any(ref() is not None for ref in refs) for lo, hi, refs in _REGIONS
+    )
 
 
 def available() -> bool:
@@ -101,13 +114,14 @@ def _movable(tensor: Any) -> bool:
         and tensor.device.type == "cpu"
         and tensor.numel() > 0
         and tensor.is_contiguous()
+        and not _in_a_region(tensor)  # moved already (the same weights reached another way)
     )
 
 
 def move(slots: Sequence[tuple[Any, str]]) -> int:
     """Copy ``getattr(owner, name)`` for each slot (CPU tensors) into one region advised for
     huge pages and ``setattr`` the copy in its place (``Move``, waited for). Returns the bytes
-    moved (0 where unavailable)."""
+    moved (0 where unavailable); a tensor already moved stays where it is."""
     return Move(slots).finish()
 
 
@@ -136,6 +150,8 @@ def _copy_into_region(tensors: dict[int, torch.Tensor], copies: dict[int, torch.
         origin = tensor.data_ptr()
         if any(lo <= origin < hi for lo, hi in mapped):  # clean file pages: dropped at once,
             _page_out(origin, origin + nbytes)  # so the resident set never holds both copies
+    refs = [weakref.ref(copy) for copy in copies.values()]
+    _REGIONS.append((region.data_ptr(), region.data_ptr() + region.numel(), refs))
     return total
 
 

@@ -198,6 +198,11 @@ class CachedLM:
         """
         if self._full is None:
             self._full = self._full_head()
+            streamed = getattr(self._full, "streamed", None)
+            if self.in_huge_pages and streamed is not None:  # sampling streams it every step
+                from uag import hugepages
+
+                hugepages.move(streamed())
         out = self._full(hidden).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
