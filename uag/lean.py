@@ -138,10 +138,10 @@ class _Rope:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``positions`` ``[n]`` (consecutive) → ``{kind: (cos [n, d], sin [n, d])}``.
 
-        On CPU in float32 the rows come from a table grown a block at a time: the same values
-        bit for bit, since each entry is the same product, cos and sin, whatever else is in the
-        call (the head dimension is a multiple of the vector width, so no entry falls in a
-        scalar tail)."""
+        On CPU in float32 the rows are slices of one table, grown 64 positions at a time: a
+        position's rows are the same bits whichever forward asks, however many rows it has
+        (computed per forward, a vectorised cos could round an entry differently in a short
+        call's scalar tail). Elsewhere they are computed for the call."""
         if positions.device.type != "cpu" or dtype != torch.float32:
             return self._compute(positions, dtype)
         start, n = int(positions[0]), int(positions.shape[0])
