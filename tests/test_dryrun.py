@@ -136,6 +136,10 @@ def test_pricing_adds_the_profiles_prices_round_by_round():
     assert dryrun.predicted_speedup([run], [trace], profile) == pytest.approx(
         (0.2 + 4 * 0.05) / (0.3 + rounds)
     )
+    profile = dataclasses.replace(profile, stats_s=0.001)  # in every verify price: static skips
+    static = dryrun.ReplayRun(records=records, assistant_prefill_s=0.1, reads_features=False)
+    assert dryrun.priced_seconds(static, trace, profile) == pytest.approx(0.3 + rounds - 0.003)
+    assert dryrun.priced_seconds(run, trace, profile) == pytest.approx(0.3 + rounds)
 
 
 def _ids(pair, prompt: str) -> tuple[list[int], list[int]]:

@@ -137,6 +137,8 @@ class ReplayRun:
     assistant_prefill_s: float
     """Measured: the first drafting round's first step beyond a draft step and catch-up (it
     feeds the assistant its prompt)."""
+    reads_features: bool = True
+    """The policy reads features: its rounds pay the target's statistics (``stats_s``)."""
 
 
 def replay(
@@ -163,16 +165,22 @@ def replay(
     )
     first = next((r for r in out.iterations if r.drafted), None)
     extra = 0.0 if first is None else first.first_draft_s - profile.draft_s - profile.catchup_s
-    return ReplayRun(records=out.iterations, assistant_prefill_s=max(extra, 0.0))
+    return ReplayRun(
+        records=out.iterations,
+        assistant_prefill_s=max(extra, 0.0),
+        reads_features=policy.needs_features,
+    )
 
 
 def priced_seconds(run: ReplayRun, trace: TargetTrace, profile: LatencyProfile) -> float:
     """What the replayed run costs: the prompt passes, then every later round at the
     profile's prices (round 0 is the target's prompt pass, which emits the first token), plus
     the policy's own decisions as the replay timed them (the profile's round overhead is a
-    static rule's, ~µs; an ONNX controller takes ~0.2 ms a decision, ~2 % of its run)."""
+    static rule's, ~µs; an ONNX controller takes ~0.2 ms a decision, ~2 % of its run). A policy
+    that reads no features skips the target's statistics, which the verify prices include."""
+    unread = 0.0 if run.reads_features else profile.stats_s
     rounds = sum(
-        profile.round_cost(drafted=r.drafted, candidates=r.candidates) + r.policy_s
+        profile.round_cost(drafted=r.drafted, candidates=r.candidates) + r.policy_s - unread
         for r in run.records[1:]
     )
     return trace.prefill_s + run.assistant_prefill_s + rounds

@@ -76,6 +76,9 @@ class LatencyProfile:
     """Per round, the loop's time outside draft steps and verify (bridge, bookkeeping)."""
     catchup_s: float = 0.0
     """Extra cost of a round's first draft step over ``draft_s`` (it feeds the catch-up rows)."""
+    stats_s: float = 0.0
+    """The part of every ``verify_s`` spent on the target's statistics (a feature for the next
+    round): a policy that reads no features does not pay it (0 in older profiles)."""
 
     @property
     def target_step_s(self) -> float:
@@ -107,6 +110,7 @@ class LatencyProfile:
             step_s=None if data.get("step_s") is None else float(data["step_s"]),
             round_s=float(data.get("round_s", 0.0)),
             catchup_s=float(data.get("catchup_s", 0.0)),
+            stats_s=float(data.get("stats_s", 0.0)),
         )
 
 
@@ -141,12 +145,16 @@ def measure_profile(
         draft_stats(assistant.logits(hidden[-1:])[0])  # what a draft step computes
         assistant.truncate(PROFILE_CONTEXT)
 
+    stats_times: list[float] = []  # inside each timed verify: its statistics part
+
     def verify(m: int, *, stats: bool = True) -> None:
         target.ids.extend(target_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + m + 1])
         hidden = target.forward()
         head = target.greedy(hidden)
         if stats:  # what a learned controller's round reads; target-alone decoding does not
+            start = time.perf_counter()
             head.stats(0)
+            stats_times.append(time.perf_counter() - start)
         target.truncate(PROFILE_CONTEXT)
 
     assistant.reset(assistant_ids[:PROFILE_CONTEXT], rollback=True)
@@ -156,9 +164,10 @@ def measure_profile(
     device = target.device
     # Every operation once per round, the order rotated each round (drift over the run spreads
     # over all of them instead of biasing the last ones); each timed call after its untimed
-    # predecessor: the other model's step in the loop, the same step back to back for the
-    # target-alone step.
-    ops: list[tuple[str, Any, Any]] = [("draft", draft, lambda: verify(0))]
+    # predecessor as in the loop: a verify after a draft step, a draft step after a draft step
+    # (a round's later drafts; its first follows the verify, with colder caches and the
+    # catch-up rows: ``measure_loop``'s ``catchup_s``), the target-alone step back to back.
+    ops: list[tuple[str, Any, Any]] = [("draft", draft, draft)]
     ops += [(f"verify{m}", lambda m=m: verify(m), draft) for m in range(max_candidates + 1)]
     ops += [("step", lambda: verify(0, stats=False), lambda: verify(0, stats=False))]
     times: dict[str, list[float]] = {name: [] for name, _, _ in ops}
@@ -176,7 +185,11 @@ def measure_profile(
     verify_s = [statistics.median(times[f"verify{m}"]) for m in range(max_candidates + 1)]
     step_s = statistics.median(times["step"])
     return LatencyProfile(
-        device=describe_device(device), draft_s=draft_s, verify_s=verify_s, step_s=step_s
+        device=describe_device(device),
+        draft_s=draft_s,
+        verify_s=verify_s,
+        step_s=step_s,
+        stats_s=statistics.median(stats_times),
     )
 
 
