@@ -49,7 +49,7 @@ SOURCES = (
     Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
     Path(__file__).parent / "csrc" / "q4.c",  # 4-bit weights x int8 activations (approximate)
 )
-HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
+HEADERS = (Path(__file__).parent / "csrc" / "simd.h", Path(__file__).parent / "csrc" / "vexp.h")
 """Included by the sources: part of the build's cache key."""
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vexp.h"
+
 /* The bound, multiplied then added (never fused), the same in the vector and scalar paths. */
 static inline __m256 bound8(const float *coef, const float *coef2, int64_t v, __m256 x, __m256 r,
                             __m256 slack) {
@@ -102,33 +104,13 @@ int64_t uag_screen(const float *logits, int64_t M, int64_t V, int64_t ldl, const
     return total;
 }
 
-/* e^x for x <= 0 in 8 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5
- * polynomial for e^r, then the exponent n; ~2 ulp), with x clamped at -87 (e^-87 ~ 1.6e-38: an
- * entry that far below the maximum adds nothing a feature can see). */
-static inline __m256 exp8_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_floor_ps(
-        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, x), x), x), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 /* The statistics a drafted token's features read, from the assistant's logits l[0..V): its
  * argmax (the lowest id on a tie), the top two probabilities and the entropy of softmax(l).
  *
  * Why in C: torch took ~0.45 ms a draft step for them (softmax, top-2, log, product, sum over
  * SmolLM2's 49,152 entries, each op cold after the model's forward), ~10 % of the step. Here:
  * one vector pass for the maximum m, one for Z = sum e^(l - m) and T = sum e^(l - m) (l - m)
- * (summed in double), so p1 = 1 / Z and the entropy is log Z - T / Z. out: p1, p2, entropy in
+ * (exp8 of vexp.h, summed in double), so p1 = 1 / Z and the entropy is log Z - T / Z. out: p1, p2, entropy in
  * nats. Returns the argmax, or -1 where there is none (NaN logits). */
 int64_t uag_draft_stats(const float *l, int64_t V, double *out) {
     __m256 mx = _mm256_set1_ps(-INFINITY);
@@ -147,7 +129,7 @@ int64_t uag_draft_stats(const float *l, int64_t V, double *out) {
     for (v = 0; v + 8 <= V; v += 8) {
         const __m256 x = _mm256_loadu_ps(l + v);
         const __m256 d = _mm256_sub_ps(x, mv);
-        const __m256 e = exp8_nonpositive(d);
+        const __m256 e = exp8(d); /* d <= 0; below -87.3 it adds nothing a feature sees */
         const __m256 ed = _mm256_mul_ps(e, d);
         z = _mm256_add_pd(z, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)),
                                            _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1))));

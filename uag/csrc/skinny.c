@@ -453,6 +453,21 @@ int64_t uag_block_affine(const float *w, int64_t N, int64_t K, uint8_t *q, float
     return bad == 0;
 }
 
+/* Weight (r, k) of a matrix in this file's layout, in fp32 exactly as the kernels widen it:
+ * fmt 0 fp32, 2 block int8 (q * s, one exact product), 3 block affine (fl(q * s) + b). */
+static inline float weight_at(int64_t fmt, const void *w, const float *params, int64_t K,
+                              int64_t r, int64_t k) {
+    const int64_t blk = r / LANES, lane = r % LANES, at = (blk * K + k) * LANES + lane;
+    if (fmt == 2)
+        return (float)((const int8_t *)w)[at] *
+               params[(blk * (K / BLOCK_K) + k / BLOCK_K) * LANES + lane];
+    if (fmt == 3) {
+        const float *p = params + (blk * (K / ABLOCK_K) + k / ABLOCK_K) * 2 * LANES + lane;
+        return (float)((const uint8_t *)w)[at] * p[0] + p[LANES];
+    }
+    return ((const float *)w)[at];
+}
+
 /* Rows ids[0..n) of a weight in this file's layout as fp32 out[n, K], each times scale:
  * bitwise what uag.native.NativeLinear.rows computes in torch (one exact product q * s for
  * block int8, fl(q * s) + b for block affine, then the one multiply by scale), for an embedding
@@ -462,29 +477,16 @@ int64_t uag_block_affine(const float *w, int64_t N, int64_t K, uint8_t *q, float
 void uag_gather_rows(int64_t fmt, const void *w, const float *params, int64_t K,
                      const int64_t *ids, int64_t n, float scale, float *out) {
     for (int64_t i = 0; i < n; i++) {
-        const int64_t r = ids[i], blk = r / LANES, lane = r % LANES;
         float *y = out + i * K;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t at = (blk * K + k) * LANES + lane;
-            float v;
-            if (fmt == 2) {
-                v = (float)((const int8_t *)w)[at] * params[(blk * (K / BLOCK_K) + k / BLOCK_K) * LANES + lane];
-            } else if (fmt == 3) {
-                const float *p = params + (blk * (K / ABLOCK_K) + k / ABLOCK_K) * 2 * LANES + lane;
-                v = (float)((const uint8_t *)w)[at] * p[0] + p[LANES];
-            } else {
-                v = ((const float *)w)[at];
-            }
-            y[k] = v * scale;
-        }
+        for (int64_t k = 0; k < K; k++) y[k] = weight_at(fmt, w, params, K, ids[i], k) * scale;
     }
 }
 
 /* The screened head's exact step (uag/screened.py): for each candidate i, row rows[i] of x and
  * vocabulary id cols[i] (sorted by row, then id), its fp32 logit as the full product computes
  * it: one chain of fused multiply-adds over k in order from 0, on the weight exactly as the
- * kernels see it (q * s for block int8, fl(q * s) + b for block affine), then + bias[id]; so
- * bitwise the value drive() gives that (row, id) in any call. Written to logits[row * ldl + id];
+ * kernels see it (weight_at), then + bias[id]; so bitwise the value drive() gives that
+ * (row, id) in any call. Written to logits[row * ldl + id];
  * ids[m] = row m's candidate with the largest logit, the lowest id on a tie (argmax's choice).
  * Returns 0, or -1 when some row has no candidate (the screen guarantees one).
  * Why in C: in torch it was a gather, an interleave, a product and four ops for the argmax,
@@ -495,22 +497,10 @@ int64_t uag_exact_candidates(int64_t fmt, const void *w, const float *params, in
                              float *logits, int64_t ldl, int64_t *ids) {
 #pragma omp parallel for schedule(static) if (count > 64)
     for (int64_t i = 0; i < count; i++) {
-        const int64_t r = cols[i], blk = r / LANES, lane = r % LANES;
+        const int64_t r = cols[i];
         const float *xm = x + rows[i] * ldx;
         float acc = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t at = (blk * K + k) * LANES + lane;
-            float v;
-            if (fmt == 2) {
-                v = (float)((const int8_t *)w)[at] * params[(blk * (K / BLOCK_K) + k / BLOCK_K) * LANES + lane];
-            } else if (fmt == 3) {
-                const float *p = params + (blk * (K / ABLOCK_K) + k / ABLOCK_K) * 2 * LANES + lane;
-                v = (float)((const uint8_t *)w)[at] * p[0] + p[LANES];
-            } else {
-                v = ((const float *)w)[at];
-            }
-            acc = fmaf(xm[k], v, acc);
-        }
+        for (int64_t k = 0; k < K; k++) acc = fmaf(xm[k], weight_at(fmt, w, params, K, r, k), acc);
         logits[rows[i] * ldl + r] = bias ? acc + bias[r] : acc;
     }
     for (int64_t m = 0; m < M; m++) ids[m] = -1;
