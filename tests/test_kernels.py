@@ -515,6 +515,9 @@ def test_q4_refuses_weights_off_the_grid_and_falls_back_to_int8():
         linear.weight.copy_(native.q4_like_weight(16, 64, generator=gen))
         linear.weight[5, 40] += 1e-3  # one weight between two levels of its block
     assert not native.NativeLinear(linear, int8=True, dynamic=True, q4=True).q4
+    with torch.no_grad():  # on a grid, but its steps and minima are no half floats
+        linear.weight.copy_(native.q4_like_weight(16, 64, generator=gen) * (1 + 2**-9))
+    assert not native.NativeLinear(linear, int8=True, dynamic=True, q4=True).q4
 
 
 @needs_native

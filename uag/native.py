@@ -18,7 +18,7 @@ scale and a base per block (``block_affine``): bitwise the fp32 product from 1.5
 weight. Both are found from the values alone and checked weight by weight, so a model whose
 weights have no such form simply stays fp32.
 
-Building: ``cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp``, linked against the OpenMP runtime
+Building: ``cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp``, linked against the OpenMP runtime
 torch itself loaded (one thread pool, no oversubscription), cached under
 ``$UAG_CACHE/kernels/`` by a hash of source, flags and torch version (a few seconds, once).
 Where that cannot work (no compiler, no AVX2, a torch without GNU OpenMP, ``UAG_KERNELS`` set to
@@ -51,7 +51,7 @@ SOURCES = (
 )
 HEADERS = (Path(__file__).parent / "csrc" / "simd.h", Path(__file__).parent / "csrc" / "vexp.h")
 """Included by the sources: part of the build's cache key."""
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16
 """The kernels' layout: blocks of 8 outputs, their weights side by side for every input
 (``skinny.c``) or for every 4 consecutive inputs (``q8.c``); block-scaled int8 has one scale
@@ -379,13 +379,15 @@ Q4_LEVELS = 15
 def q4_grid(
     weight: torch.Tensor, *, tolerance: float = 1e-3, lib: ctypes.CDLL | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(packed uint8 [N/8, K/32, 128], params fp32 [N/8, K/32, 2, 8])`` for ``q4.c`` when every
+    """``(packed uint8 [N/8, K/32, 128], params fp16 [N/8, K/32, 2, 8])`` for ``q4.c`` when every
     block of 32 weights of each output lies on a 16-level grid (``d · q + m``, q in 0..15, to
     ``tolerance`` of a step), else None.
 
     Why only then: a model de-quantised from GGUF's Q4_1 (SmolLM2's file) holds exactly such
     blocks, so 4 bits per weight are the model's own weights, read at 0.625 bytes per weight
-    instead of int8's 1 (the assistant's draft step is bound by those bytes). Rounding another
+    instead of int8's 1 (the assistant's draft step is bound by those bytes). ``d`` and ``m`` are
+    held as half floats, as Q4_1 stores them (exact for the file's own weights; a block whose
+    grid needs more precision is off the grid). Rounding another
     model's weights to 4 bits would change the assistant more than int8 does, so such a matrix
     stays on ``q8.c``. The grid is each block's minimum and (maximum − minimum) / 15: Q4_1's
     quantiser puts the block's extremes at q = 0 and q = 15. Found and packed in C
@@ -398,7 +400,7 @@ def q4_grid(
     w = weight.contiguous()
     blocks = width // BLOCK_K
     packed = torch.empty(out // BLOCK_ROWS, blocks, BLOCK_ROWS * BLOCK_K // 2, dtype=torch.uint8)
-    params = torch.empty(out // BLOCK_ROWS, blocks, 2, BLOCK_ROWS)
+    params = torch.empty(out // BLOCK_ROWS, blocks, 2, BLOCK_ROWS, dtype=torch.float16)
     found = lib.uag_q4_grid(
         w.data_ptr(), out, width, tolerance, packed.data_ptr(), params.data_ptr()
     )
@@ -729,7 +731,7 @@ class NativeLinear(nn.Module):
             raw = self.weight_ilv.view(tiles, blocks, 4, BLOCK_ROWS, 4)  # [tile, b, v, j, i]
             nib = torch.stack([raw & 15, raw >> 4], dim=-1)  # [tile, b, v, j, i, half]
             q = nib.permute(0, 3, 1, 2, 5, 4).reshape(tiles * BLOCK_ROWS, blocks, BLOCK_K)
-            p = self.block_scales.permute(0, 3, 1, 2).reshape(tiles * BLOCK_ROWS, blocks, 2)
+            p = self.block_scales.float().permute(0, 3, 1, 2).reshape(tiles * BLOCK_ROWS, blocks, 2)
             return (p[..., 1:] + p[..., :1] * q.float()).reshape(self.out_features, -1)
         blocks, steps = self.weight_ilv.shape[:2]
         w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * self.k_step)
