@@ -280,6 +280,7 @@ def test_screened_head_argmax_is_exact_at_a_near_tie_int8_gets_wrong():
         assert torch.equal(screened(x[row : row + 1])[0], logits[row])
     screened.row_bound = torch.zeros_like(screened.row_bound)  # no error bound: wrong token
     screened.row_l1 = torch.zeros_like(screened.row_l1)
+    screened.row_l1_out = torch.zeros_like(screened.row_l1_out)
     screened.ABSOLUTE_SLACK = 0.0
     assert int(screened(x)[0].argmax()) == a
     assert screened.greedy(x)[0][0] == a
@@ -318,12 +319,15 @@ def test_screened_head_bound_holds_with_and_without_exact_channels(outliers):
         assert set(screened.outliers.tolist()) >= {5, 17, 60, 61}
     exact = native.NativeLinear(head)(x)
     approx, missed = screened.approximate(x)
-    norms = x.abs().sum(dim=-1, keepdim=True)
-    bound = screened.row_bound * norms + screened.row_l1 * missed[:, None] + screened.ABSOLUTE_SLACK
+    norms = x.abs().sum(dim=-1)
     gap = (approx - exact).abs()
-    assert (gap <= bound).all()
-    if not outliers:  # 7 bits across the outliers: the weight's term alone would not hold
-        assert (gap > (screened.row_bound * norms + screened.ABSOLUTE_SLACK)).any()
+    assert (gap <= screened.bounds(norms, missed)).all()
+    # each activation term is needed: without it the bound fails somewhere
+    assert (gap > (screened.row_bound * norms[:, None] + screened.ABSOLUTE_SLACK)).any()
+    if outliers:
+        no_outlier_term = missed.clone()
+        no_outlier_term[:, 1] = 0.0
+        assert (gap > screened.bounds(norms, no_outlier_term)).any()
     ids, _ = screened.greedy(x)
     assert ids == exact.argmax(-1).tolist()
     if outliers:  # exact channels leave fewer candidates than 7 bits across the outliers
@@ -332,9 +336,8 @@ def test_screened_head_bound_holds_with_and_without_exact_channels(outliers):
         assert screened.last_candidates <= plain.last_candidates
     before = screened.last_candidates
     approx2, missed2 = screened.approximate(x, levels=2)  # the second level: a far tighter bound
-    bound2 = screened.row_bound * norms + screened.row_l1 * missed2[:, None]
-    assert ((approx2 - exact).abs() <= bound2 + screened.ABSOLUTE_SLACK).all()
-    assert (missed2 < missed / 50).all()
+    assert ((approx2 - exact).abs() <= screened.bounds(norms, missed2)).all()
+    assert (missed2[:, 0] < missed[:, 0] / 50).all()
     screened.RESCREEN = 0  # every row screened again with two levels: same ids, fewer candidates
     assert screened.greedy(x)[0] == ids
     assert screened.last_candidates <= before
@@ -462,7 +465,7 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
     two-level product with its bound, so nothing downstream depends on the CPU."""
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(2)
-    linear = nn.Linear(128, 40)  # K a multiple of 64: AMX takes 10+ rows
+    linear = nn.Linear(128, 40)  # K a multiple of 64: AMX takes 6+ rows
     if q4:
         with torch.no_grad():
             linear.weight.copy_(native.q4_like_weight(40, 128, generator=gen))
@@ -473,10 +476,14 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
 
     def outputs() -> list[torch.Tensor]:
         outs = [layer(x[:m]) for m in range(1, 18)]
-        if not q4:  # the screening product: two levels and the bound
-            y, bound = torch.empty(17, layer.padded_out), torch.empty(17)
-            layer.product_q8(x, y, levels=2, bound=bound)
-            outs += [y, bound]
+        if not q4:  # the screening product: two levels, outlier rows and the bounds
+            y, bound, bound_o = torch.empty(17, layer.padded_out), torch.empty(17), torch.empty(17)
+            rest, outliers = x.clone(), torch.zeros_like(x)
+            outliers[:, [3, 50]], rest[:, [3, 50]] = 30 * x[:, [3, 50]], 0.0
+            layer.product_q8(
+                rest, y, levels=2, bound=bound, outliers=outliers, bound_outliers=bound_o
+            )
+            outs += [y, bound, bound_o]
         return outs
 
     try:

@@ -129,7 +129,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_block_affine.restype = i64
     lib.uag_block_affine.argtypes = [p, i64, i64, p, p]
     lib.uag_screen.restype = i64
-    lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, ctypes.c_float, p, p, i64]
+    lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, ctypes.c_float, p, p, i64]
     lib.uag_rms_norm_rows.restype = None
     lib.uag_rms_norm_rows.argtypes = [p, i64, i64, p, ctypes.c_float, p]
     lib.uag_exact_candidates.restype = i64
@@ -705,13 +705,14 @@ class NativeLinear(nn.Module):
         *,
         levels: int = 1,
         bound: torch.Tensor | None = None,
-        exact: tuple[torch.Tensor, torch.Tensor] | None = None,
+        outliers: torch.Tensor | None = None,
+        bound_outliers: torch.Tensor | None = None,
     ) -> None:
         """``y = rows @ W^T (+ bias)`` through ``q8.c`` (``rows``: contiguous fp32, padded
         width; ``y``: contiguous, padded width): ``levels`` 2 adds the residual's pass,
-        ``bound`` receives the per-row error bound, ``exact`` = (``xo [M, O]``, ``wo``
-        interleaved ``[N/8, O, 8, 1]`` fp32) adds channels computed in fp32 (see ``q8.c``)."""
-        xo, wo = exact if exact is not None else (None, None)
+        ``bound`` receives the per-row error bound; ``outliers`` (``[M, padded width]``, the
+        outlier channels' values, zeros elsewhere; ``rows`` zero there) go through as one more
+        row each on their own scale, their bound into ``bound_outliers`` (see ``q8.c``)."""
         assert self.lib is not None and self.dynamic and not self.q4
         self.lib.uag_linear_q8(
             rows.data_ptr(), self.padded_in, rows.shape[0], self.padded_in,
@@ -720,8 +721,8 @@ class NativeLinear(nn.Module):
             None if self.bias_padded is None else self.bias_padded.data_ptr(),
             y.data_ptr(), self.padded_out, levels,
             None if bound is None else bound.data_ptr(),
-            None if xo is None else xo.data_ptr(), 0 if xo is None else xo.shape[1],
-            None if wo is None else wo.data_ptr(),
+            None if outliers is None else outliers.data_ptr(), self.padded_in,
+            None if bound_outliers is None else bound_outliers.data_ptr(),
         )  # fmt: skip
 
     def dequantized(self) -> torch.Tensor:

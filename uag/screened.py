@@ -6,24 +6,27 @@ locates it up to a known error. ``ScreenedHead``:
 
 1. computes every logit approximately: int8 weights times 7-bit activations (``q8.c``: integer
    products, ~1.6x cheaper per row than widening the weights to fp32, so a verify's extra rows
-   cost less), except for a few *outlier channels* whose products are exact fp32;
+   cost less), with a few *outlier channels* rounded on their own 7-bit scale (one more row of
+   the same product: the others' scale stays fine);
 2. bounds each one's distance from its fp32 value: rounding the weight to int8 moves a dot
    product by at most ``scale / 2 · ‖x‖₁`` and float32 accumulation of the fp32 product by at
    most ``127 · scale · ‖x‖₁ · γ_K`` (``error_bound``, the standard bound, any summation order);
-   rounding the other channels' activations adds at most ``r · ‖ŵ‖₁`` (``r`` per row, from
-   ``q8.c``; ``‖ŵ‖₁`` over those channels per vocabulary row, precomputed);
+   rounding the activations adds at most ``r · ‖ŵ‖₁`` for each of the two sets of channels
+   (``r`` per row and set, from ``q8.c``; ``‖ŵ‖₁`` over the set per vocabulary row,
+   precomputed; ``bounds``);
 3. keeps as candidates every row whose interval can reach the best lower bound, and computes
    those exactly in fp32 (the native kernel on the gathered rows of the original weight).
 
 Where the head's weights are exactly an fp16 scale times small integers per block (Gemma's
 Q8_0 head), the original is held as those blocks (``exact``: 190 MB instead of 671 MB of fp32)
-and candidate rows, outlier columns and the full head that sampling reads all come from them;
+and candidate rows and the full head that sampling reads come from them;
 the fp32 weight is not kept. Other heads keep the fp32 original for those reads.
 
 Why outlier channels: a handful of Gemma 3's final hidden channels are ~10-20x the others
 (max |x| ~20x the mean), and 7 bits spread over them leave a bound that admits thousands of
 candidates per row (a median of 1,130 on HumanEval). ``calibrate`` picks the 16 channels largest
-on average over a fixed text once per model; with those exact, the median is ~12 on code. Flat
+on average over a fixed text once per model; with those on their own scale (exact fp32 before
+this build, whose epilogue cost ~0.7 ms of a ~7 ms head), the median is ~12 on code. Flat
 distributions (inside emoji and CJK byte sequences, some prose) still leave hundreds to
 thousands. Computing a candidate exactly costs ~0.75 µs (its 2.5 KB fp32 row gathered, times the
 rows), while narrowing the bounds costs a second pass over the whole int8 head (~7 ms), so only a
@@ -47,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uag.native import NativeLinear, fp32_product, interleave
+from uag.native import NativeLinear, fp32_product
 
 CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts flew 384,400 km.\n"
@@ -64,9 +67,9 @@ def error_bound(in_features: int) -> float:
     """Coefficient ``c``: |int8 logit − fp32 logit| ≤ c · scale · ‖x‖₁ (see the module doc).
 
     0.5 for rounding the weight; 2 · 127 · γ for float32 accumulation, with γ = (K + 2) · 2⁻²⁴ (a
-    little above K·u/(1 − K·u)): once for the fp32 product that decides, once for the outlier
-    channels' fp32 product and its addition to the integer one (fewer than K terms); 1 % on top
-    for the bound's own rounding.
+    little above K·u/(1 − K·u)): once for the fp32 product that decides, once more as margin for
+    adding up the parts (the other channels, their second level, the outlier channels: each
+    part's own output rounding is in its ``r``); 1 % on top for the bound's own rounding.
     """
     gamma = (in_features + 2) * 2.0**-24
     return (0.5 + 2 * 127 * gamma) * 1.01
@@ -79,7 +82,7 @@ class ScreenedHead(nn.Module):
     """Added to every bound: covers rounding in the comparison itself (logits are O(10))."""
 
     OUTLIERS = 16
-    """Channels computed exactly (``calibrate``)."""
+    """Channels quantised on their own scale (``calibrate``)."""
     RESCREEN = 4096
     """A row with more candidates than this is screened again with two activation levels (below
     it, computing them exactly is cheaper: at 256, 14 % of the head calls on 12 held-out prompts
@@ -90,8 +93,7 @@ class ScreenedHead(nn.Module):
         self.exact = NativeLinear.exact_blocks_of(head.weight.detach().float())
         """The weight in exact block storage (bitwise the fp32 values), where it has that form."""
         self.weight = None if self.exact is not None else head.weight.detach()
-        """Otherwise the original fp32 weight: only candidate rows (and outlier columns) are
-        read."""
+        """Otherwise the original fp32 weight: only candidate rows are read."""
         self.bias = None if head.bias is None else head.bias.detach().float().clone()
         self._full: nn.Module | None = None
         self.approx = NativeLinear(head, int8=True, dynamic=True)
@@ -102,8 +104,8 @@ class ScreenedHead(nn.Module):
         """Per vocabulary row: the weight's share of the bound, times ‖x‖₁."""
         self._abs_q = self.approx.weight_ilv.abs().sum(dim=(1, 3), dtype=torch.int32).reshape(-1)
         self.outliers = torch.zeros(0, dtype=torch.long)
-        self.exact_weight = torch.empty(0)
         self.row_l1 = torch.empty(0)
+        self.row_l1_out = torch.empty(0)
         self.set_outliers(torch.zeros(0, dtype=torch.long))
         self.calibrated = False
         self.invariance = "invariant"
@@ -111,25 +113,18 @@ class ScreenedHead(nn.Module):
         """Candidates in the last call (all rows together): how much exact work screening left."""
 
     def set_outliers(self, channels: torch.Tensor) -> None:
-        """Compute ``channels`` exactly (fp32) and the rest with 7-bit activations."""
+        """Round ``channels``' activations on their own 7-bit scale, the rest on another."""
         channels = torch.unique(channels.long())
         self.outliers = channels
-        from uag.kernels import release_pages
-
-        if self.exact is not None:
-            wo = self.exact.columns(channels)
-        else:
-            assert self.weight is not None
-            wo = self.weight[:, channels].float()
-            release_pages(self.weight)  # gathering columns read every page of the original
-        self.exact_weight = interleave(wo).contiguous()
-        """Their fp32 weights in the kernels' layout (``[V/8, O, 8, 1]``)."""
-        abs_q = self._abs_q.clone()
-        blocks = self.approx.weight_ilv
-        for c in channels.tolist():  # those channels' weights are not in the 7-bit product
-            abs_q -= blocks[:, c // 4, :, c % 4].reshape(-1).abs().to(torch.int32)
-        self.row_l1 = (abs_q[: self.out_features].double() * self._scales.double() * 1.0001).float()
-        """Per vocabulary row: ‖ŵ‖₁ over the 7-bit channels (rounded up), times r."""
+        blocks = self.approx.weight_ilv  # [V/8, K/4, 8, 4]: channel c is [:, c // 4, :, c % 4]
+        abs_out = torch.zeros_like(self._abs_q)
+        for c in channels.tolist():
+            abs_out += blocks[:, c // 4, :, c % 4].reshape(-1).abs().to(torch.int32)
+        scales = self._scales.double() * 1.0001  # rounded up
+        self.row_l1 = ((self._abs_q - abs_out)[: self.out_features].double() * scales).float()
+        """Per vocabulary row: ‖ŵ‖₁ over the other channels, times their r."""
+        self.row_l1_out = (abs_out[: self.out_features].double() * scales).float()
+        """Per vocabulary row: ‖ŵ‖₁ over the outlier channels, times theirs."""
 
     def calibrate(self, hidden: torch.Tensor) -> None:
         """Pick the ``OUTLIERS`` channels largest on average over ``hidden`` ``[n, h]``."""
@@ -142,9 +137,9 @@ class ScreenedHead(nn.Module):
 
     def streamed(self) -> list[tuple[nn.Module, str]]:
         """What every ``greedy`` call reads in full (``uag.hugepages.move``): the int8 product's
-        weights, the outlier channels' fp32 weights and the per-row bounds."""
+        weights and the per-row bounds."""
         return self.approx.streamed() + [
-            (self, name) for name in ("exact_weight", "row_bound", "row_l1")
+            (self, name) for name in ("row_bound", "row_l1", "row_l1_out")
         ]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -212,19 +207,31 @@ class ScreenedHead(nn.Module):
         return ids.tolist() if done == 0 else None
 
     def approximate(self, x: torch.Tensor, *, levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [n, h]`` → (approximate logits ``[n, V]``, ``r [n]``): logit (m, v) is within
-        ``row_bound[v] · ‖x_m‖₁ + row_l1[v] · r[m] + ABSOLUTE_SLACK`` of its fp32 value.
-        ``levels`` 2 also runs what the activations' 7 bits missed (~126x smaller ``r``)."""
+        """``x [n, h]`` → (approximate logits ``[n, V]``, ``r [n, 2]``): logit (m, v) is within
+        ``bounds(‖x_m‖₁, r_m)`` of its fp32 value. ``levels`` 2 also runs what the other
+        channels' 7 bits missed (~126x smaller ``r[:, 0]``)."""
         n, pad = x.shape[0], self.approx.padded_in - self.in_features
-        missed = torch.empty(n)
+        missed = torch.zeros(n, 2)
         rest = F.pad(x, (0, pad)) if pad else x.clone()
-        exact = None
+        outliers = None
         if len(self.outliers):
-            exact = (x[:, self.outliers].contiguous(), self.exact_weight)
+            outliers = torch.zeros_like(rest)
+            outliers[:, self.outliers] = rest[:, self.outliers]
             rest[:, self.outliers] = 0.0
         logits = torch.empty(n, self.approx.padded_out)
-        self.approx.product_q8(rest, logits, levels=levels, bound=missed, exact=exact)
+        bound, bound_out = torch.empty(n), torch.zeros(n)
+        self.approx.product_q8(
+            rest, logits, levels=levels, bound=bound, outliers=outliers, bound_outliers=bound_out
+        )
+        missed[:, 0], missed[:, 1] = bound, bound_out
         return logits[:, : self.out_features], missed
+
+    def bounds(self, norms: torch.Tensor, missed: torch.Tensor) -> torch.Tensor:
+        """``[n, V]``: how far each approximate logit may lie from its fp32 value, for rows with
+        ``‖x‖₁`` ``norms [n]`` and ``approximate``'s ``missed [n, 2]`` (``screen.c``'s formula,
+        in its order)."""
+        terms = self.row_bound * norms[:, None] + self.row_l1 * missed[:, :1]
+        return (terms + self.row_l1_out * missed[:, 1:]) + self.ABSOLUTE_SLACK
 
     def _candidates(
         self, logits: torch.Tensor, norms: torch.Tensor, missed: torch.Tensor
@@ -234,13 +241,15 @@ class ScreenedHead(nn.Module):
         cap = (64 + self.RESCREEN) * n
         lib = self.approx.lib
         assert lib is not None  # NativeLinear refuses to exist without it
+        rest, out = missed[:, 0].contiguous(), missed[:, 1].contiguous()
         while True:
             rows = torch.empty(cap, dtype=torch.int64)
             cols = torch.empty(cap, dtype=torch.int64)
             count = lib.uag_screen(
                 logits.data_ptr(), n, self.out_features, logits.stride(0),
                 self.row_bound.data_ptr(), norms.contiguous().data_ptr(),
-                self.row_l1.data_ptr(), missed.data_ptr(), self.ABSOLUTE_SLACK,
+                self.row_l1.data_ptr(), rest.data_ptr(),
+                self.row_l1_out.data_ptr(), out.data_ptr(), self.ABSOLUTE_SLACK,
                 rows.data_ptr(), cols.data_ptr(), cap,
             )  # fmt: skip
             if count >= 0:

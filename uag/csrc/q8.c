@@ -252,11 +252,13 @@ int64_t uag_set_avx512vnni(int64_t want) {
 
 #define AMX_VECTORS 4 /* vectors of 8 outputs per tile of work: C tiles 0-3 */
 #define AMX_ROWS 16   /* rows of an A or C tile */
-/* Rows from which AMX pays. Gemma's screening head, median ms, AVX-512 VNNI vs AMX, one process
- * alternating: 2 rows 6.7 vs 7.8, 8: 9.1 vs 9.1, 10: 10.3 vs 9.8, 12: 11.1 vs 10.1, 16: 13.3 vs
- * 11.1. (In a C loop over the same product AMX already led from 4 rows; in the process the
- * weights are a memory-mapped file and the tile loads gain less.) */
-#define AMX_MIN_ROWS 10
+/* Rows from which AMX pays. Gemma's screening head's int8 product, median ms, AVX-512 VNNI vs
+ * AMX with the prefetch below, one process alternating: 1 row 5.06 vs 5.71, 4: 5.78 vs 5.90,
+ * 6: 6.29 vs 6.13, 8: 6.85 vs 6.30. Without the prefetch AMX paid only from 10 rows (8: 9.1 vs
+ * 9.1 in the whole head): a tile load waits for its bytes, and nothing ran ahead of it. */
+#define AMX_MIN_ROWS 6
+/* How far ahead of its tile loads each weight stream is prefetched (best of 512-4096, T0/T1) */
+#define AMX_PREFETCH 1024
 
 #if HAVE_AMX
 /* AMX where the CPU and the kernel allow it (checked at run time): one tile multiply adds mb
@@ -301,6 +303,9 @@ static AMX_ATTR void amx_tile(const uint8_t *u, int64_t ldu, int64_t Kq, const i
     _tile_zero(3);
     for (int64_t c = 0; c < Kq / 16; c++) {
         const int8_t *wc = w + c * 16 * LANES * QK;
+        for (int j = 0; j < nv; j++) /* each stream's next 512 bytes, AMX_PREFETCH ahead */
+            for (int l = 0; l < 8; l++)
+                _mm_prefetch((const char *)(wc + j * vstride) + AMX_PREFETCH + l * 64, _MM_HINT_T0);
         _tile_loadd(4, u + c * 16 * QK, ldu);
         _tile_loadd(5, wc, LANES * QK);
         _tile_dpbusd(0, 4, 5);
@@ -379,14 +384,18 @@ static int max_rows(int nv) { return nv == 8 ? 1 : nv == 4 ? 2 : nv == 3 ? 3 : n
  * per-row r such that |y[m, n] - sum_k w^[n, k] x[m, k]| <= r * sum_k |w^[n, k]| (w^ = the
  * dequantised weight), float rounding included; ScreenedHead adds the weight's own rounding.
  *
- * Exact channels (ScreenedHead's outliers, O of them; O = 0 for none): xo[M, O] times wo, fp32
- * weights in skinny.c's layout [N/8][O][8], added to the integer part of each output, one fused
- * multiply-add per channel in order. x must hold zeros in those channels. */
+ * Outlier channels (ScreenedHead's: a few channels ~10-20x the others, whose range would
+ * coarsen every other channel's 7 bits): x must hold zeros there, and xo[M, K] (row stride
+ * ldxo; NULL for none) holds the values there and zeros elsewhere. Each xo row is quantised on
+ * its own scale and goes through the product as one more row, added to its output; bound_o[m]
+ * receives its r (as bound's, times those channels' sum |w^|). One more row in the same pass
+ * costs ~nothing (a fused fp32 epilogue for 16 channels cost ~0.7 ms of Gemma's head). */
 void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
-                   int64_t O, const float *wo) {
-    const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * levels;
+                   int64_t ldxo, float *bound_o) {
+    const int64_t per = levels + (xo != NULL); /* product rows per input row */
+    const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * per;
     /* AMX passes all have one height, so the last may read up to 15 rows past R (their sums
      * are never used) */
     uint8_t *u = (uint8_t *)malloc((size_t)((R + AMX_ROWS) * Kp));
@@ -394,16 +403,22 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     int32_t *zp = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *res = levels > 1 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
     for (int64_t m = 0; m < M; m++) {
-        const float top = quantize_row(x + m * ldx, K, Kp, u + m * levels * Kp, xs + m * levels,
-                                       zp + m * levels, levels > 1 ? res : NULL);
+        const int64_t r0 = m * per;
+        const float top = quantize_row(x + m * ldx, K, Kp, u + r0 * Kp, xs + r0, zp + r0,
+                                       levels > 1 ? res : NULL);
         for (int64_t l = 1; l < levels; l++) {
-            const int64_t r = m * levels + l;
+            const int64_t r = r0 + l;
             quantize_row(res, K, Kp, u + r * Kp, xs + r, zp + r, l + 1 < levels ? res : NULL);
         }
         /* What the last level misses: half a step (rounding to nearest; 1 % for the products'
          * own rounding of x / scale), plus float rounding of the residual and of the output
          * (a few ulps of max|x| per unit of |w^|). */
-        if (bound) bound[m] = 0.505f * xs[m * levels + levels - 1] + 4e-6f * top;
+        if (bound) bound[m] = 0.505f * xs[r0 + levels - 1] + 4e-6f * top;
+        if (xo) {
+            const int64_t r = r0 + levels;
+            const float top_o = quantize_row(xo + m * ldxo, K, Kp, u + r * Kp, xs + r, zp + r, NULL);
+            if (bound_o) bound_o[m] = 0.505f * xs[r] + 4e-6f * top_o;
+        }
     }
     const int64_t vectors = N / LANES;
     /* AVX-512 VNNI where there is one, for one row too (Gemma's head 7.5 → 6.8 ms, SmolLM2's
@@ -450,7 +465,7 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                 m0 += mb;
             }
             for (int64_t i = 0; i < rows; i++) {
-                const int64_t r = g0 + i, m = r / levels;
+                const int64_t r = g0 + i, m = r / per;
                 for (int j = 0; j < width; j++) {
                     const int64_t n = n0 + j * LANES;
                     const __m256i corr = _mm256_mullo_epi32(
@@ -459,19 +474,10 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                     __m256 v = _mm256_mul_ps(
                         _mm256_cvtepi32_ps(_mm256_sub_epi32(state[i * 8 + j], corr)), s);
                     float *out = y + m * ldy + n;
-                    if (r % levels != 0) {
-                        v = _mm256_add_ps(_mm256_loadu_ps(out), v);
-                    } else {
-                        if (O > 0) {
-                            __m256 e = _mm256_setzero_ps();
-                            const float *wb = wo + (n / LANES) * O * LANES;
-                            for (int64_t o = 0; o < O; o++)
-                                e = _mm256_fmadd_ps(_mm256_set1_ps(xo[m * O + o]),
-                                                    _mm256_loadu_ps(wb + o * LANES), e);
-                            v = _mm256_add_ps(v, e);
-                        }
-                        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
-                    }
+                    /* the row's first part writes (with the bias); its levels and outlier row,
+                     * in order, add to it */
+                    if (r % per != 0) v = _mm256_add_ps(_mm256_loadu_ps(out), v);
+                    else if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
                     _mm256_storeu_ps(out, v);
                 }
             }
