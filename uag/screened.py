@@ -7,7 +7,7 @@ locates it up to a known error. ``ScreenedHead``:
 1. computes every logit approximately: int8 weights times 7-bit activations (``q8.c``: integer
    products, ~1.6x cheaper per row than widening the weights to fp32, so a verify's extra rows
    cost less), with a few *outlier channels* rounded on their own 7-bit scale (one more row of
-   the same product: the others' scale stays fine);
+   the same product over just the quads that hold them: the others' scale stays fine);
 2. bounds each one's distance from its fp32 value: rounding the weight to int8 moves a dot
    product by at most ``scale / 2 · ‖x‖₁`` and float32 accumulation of the fp32 product by at
    most ``127 · scale · ‖x‖₁ · γ_K`` (``error_bound``, the standard bound, any summation order);
@@ -104,8 +104,12 @@ class ScreenedHead(nn.Module):
         """Per vocabulary row: the weight's share of the bound, times ‖x‖₁."""
         self._abs_q = self.approx.weight_ilv.abs().sum(dim=(1, 3), dtype=torch.int32).reshape(-1)
         self.outliers = torch.zeros(0, dtype=torch.long)
+        self.order = torch.arange(self.approx.padded_in)
+        """The int8 product's input channel at each position (``set_outliers``)."""
         self.row_l1 = torch.empty(0)
         self.row_l1_out = torch.empty(0)
+        self.outlier_quads = torch.empty(0, dtype=torch.int32)
+        self.outlier_wsum = torch.empty(0, dtype=torch.int32)
         self.set_outliers(torch.zeros(0, dtype=torch.long))
         self.calibrated = False
         self.invariance = "invariant"
@@ -113,18 +117,45 @@ class ScreenedHead(nn.Module):
         """Candidates in the last call (all rows together): how much exact work screening left."""
 
     def set_outliers(self, channels: torch.Tensor) -> None:
-        """Round ``channels``' activations on their own 7-bit scale, the rest on another."""
+        """Round ``channels``' activations on their own 7-bit scale, the rest on another.
+
+        The int8 product's channels are stored with these last, so their row runs over only
+        the last ``ceil(O / 4)`` quads (``q8.c``); integer sums do not depend on the order."""
         channels = torch.unique(channels.long())
+        width = self.approx.padded_in
+        outlier = torch.zeros(width, dtype=torch.bool)
+        outlier[channels] = True
+        self._reorder(torch.cat([torch.arange(width)[~outlier], channels]))
         self.outliers = channels
-        blocks = self.approx.weight_ilv  # [V/8, K/4, 8, 4]: channel c is [:, c // 4, :, c % 4]
+        blocks = self.approx.weight_ilv  # [V/8, K/4, 8, 4]: position p is [:, p // 4, :, p % 4]
         abs_out = torch.zeros_like(self._abs_q)
-        for c in channels.tolist():
-            abs_out += blocks[:, c // 4, :, c % 4].reshape(-1).abs().to(torch.int32)
+        for p in range(width - len(channels), width):
+            abs_out += blocks[:, p // 4, :, p % 4].reshape(-1).abs().to(torch.int32)
         scales = self._scales.double() * 1.0001  # rounded up
         self.row_l1 = ((self._abs_q - abs_out)[: self.out_features].double() * scales).float()
         """Per vocabulary row: ‖ŵ‖₁ over the other channels, times their r."""
         self.row_l1_out = (abs_out[: self.out_features].double() * scales).float()
         """Per vocabulary row: ‖ŵ‖₁ over the outlier channels, times theirs."""
+        quads = torch.arange((width - len(channels)) // 4, width // 4)
+        self.outlier_quads = quads.to(torch.int32)
+        """The int8 product's quads (4 channels each) that hold them: their row runs over these."""
+        self.outlier_wsum = blocks[:, quads].sum(dim=(1, 3), dtype=torch.int32).reshape(-1)
+        """Per output: the int8 weights' sum over those quads (the outlier row's zero point)."""
+
+    def _reorder(self, order: torch.Tensor) -> None:
+        """Store the int8 product's input channels so that position p holds channel
+        ``order[p]`` (activations are gathered the same way in ``approximate``)."""
+        if torch.equal(order, self.order):
+            return
+        where = torch.empty_like(self.order)
+        where[self.order] = torch.arange(len(self.order))  # channel -> its position now
+        w = self.approx.weight_ilv  # [V/8, K/4, 8, 4]
+        tiles, quads = w.shape[:2]
+        by_channel = w.permute(0, 2, 1, 3).reshape(tiles, 8, quads * 4)[:, :, where[order]]
+        self.approx.weight_ilv = (
+            by_channel.reshape(tiles, 8, quads, 4).permute(0, 2, 1, 3).contiguous()
+        )
+        self.order = order
 
     def calibrate(self, hidden: torch.Tensor) -> None:
         """Pick the ``OUTLIERS`` channels largest on average over ``hidden`` ``[n, h]``."""
@@ -212,16 +243,24 @@ class ScreenedHead(nn.Module):
         channels' 7 bits missed (~126x smaller ``r[:, 0]``)."""
         n, pad = x.shape[0], self.approx.padded_in - self.in_features
         missed = torch.zeros(n, 2)
-        rest = F.pad(x, (0, pad)) if pad else x.clone()
+        rest = F.pad(x, (0, pad)) if pad else x
+        rest = rest[:, self.order] if len(self.outliers) else rest.clone()  # the stored order
         outliers = None
-        if len(self.outliers):
+        if len(self.outliers):  # stored last
             outliers = torch.zeros_like(rest)
-            outliers[:, self.outliers] = rest[:, self.outliers]
-            rest[:, self.outliers] = 0.0
+            outliers[:, -len(self.outliers) :] = rest[:, -len(self.outliers) :]
+            rest[:, -len(self.outliers) :] = 0.0
         logits = torch.empty(n, self.approx.padded_out)
         bound, bound_out = torch.empty(n), torch.zeros(n)
         self.approx.product_q8(
-            rest, logits, levels=levels, bound=bound, outliers=outliers, bound_outliers=bound_out
+            rest,
+            logits,
+            levels=levels,
+            bound=bound,
+            outliers=None
+            if outliers is None
+            else (outliers, self.outlier_quads, self.outlier_wsum),
+            bound_outliers=bound_out,
         )
         missed[:, 0], missed[:, 1] = bound, bound_out
         return logits[:, : self.out_features], missed

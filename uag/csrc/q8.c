@@ -376,6 +376,21 @@ static int max_rows(int nv) { return nv == 8 ? 1 : nv == 4 ? 2 : nv == 3 ? 3 : n
 
 #define GROUP 32 /* rows whose sums stay in one state buffer (32 x 8 vectors, 8 KB) */
 
+/* One vector of 8 outputs (weights w, [K/4][8][4]) times row u over only the quads q[0..nq):
+ * exact int32 sums (AVX2, inlined into the epilogue: nq is a handful, and a call per vector and
+ * row cost more than the sums). */
+static inline __attribute__((always_inline)) __m256i outlier_sums(const uint8_t *u, const int8_t *w,
+                                                                  const int32_t *q, int64_t nq) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t i = 0; i < nq; i++) {
+        int32_t four;
+        memcpy(&four, u + q[i] * QK, sizeof four);
+        acc = dot_avx2(acc, _mm256_set1_epi32(four),
+                       _mm256_loadu_si256((const __m256i *)(w + (int64_t)q[i] * LANES * QK)));
+    }
+    return acc;
+}
+
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) through the dynamic int8 product.
  *
  * levels 1: each row quantised once. levels 2: each row and then its residual (what the first
@@ -387,14 +402,20 @@ static int max_rows(int nv) { return nv == 8 ? 1 : nv == 4 ? 2 : nv == 3 ? 3 : n
  * Outlier channels (ScreenedHead's: a few channels ~10-20x the others, whose range would
  * coarsen every other channel's 7 bits): x must hold zeros there, and xo[M, K] (row stride
  * ldxo; NULL for none) holds the values there and zeros elsewhere. Each xo row is quantised on
- * its own scale and goes through the product as one more row, added to its output; bound_o[m]
- * receives its r (as bound's, times those channels' sum |w^|). One more row in the same pass
- * costs ~nothing (a fused fp32 epilogue for 16 channels cost ~0.7 ms of Gemma's head). */
+ * its own scale; its product runs over only the nq quads oquads[] that hold those channels
+ * (every other quad's (u - zp) is 0: the same integers as the whole row, with wsum_o[n] the
+ * weights' sum over those quads for the zero point), and is added to its row's output after the
+ * levels. bound_o[m] receives its r (as bound's, times those channels' sum |w^|). Those quads'
+ * weights are in L1 from the tile's pass. Gemma's head, 1 / 2 / 4 / 8 rows: where the quads are
+ * one run (ScreenedHead stores the outliers last) they take the AVX-512 VNNI tile, else an AVX2
+ * loop; a fused fp32 epilogue over exact outlier weights cost ~0.7 / - / - / 1.3 ms, and the
+ * whole row as one more product row doubled a 2-4 row verify's integer work. */
 void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
-                   int64_t ldxo, float *bound_o) {
-    const int64_t per = levels + (xo != NULL); /* product rows per input row */
+                   int64_t ldxo, float *bound_o, const int32_t *oquads, int64_t nq,
+                   const int32_t *wsum_o) {
+    const int64_t per = levels; /* product rows per input row */
     const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * per;
     /* AMX passes all have one height, so the last may read up to 15 rows past R (their sums
      * are never used) */
@@ -402,6 +423,9 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     float *xs = (float *)malloc(sizeof(float) * (size_t)R);
     int32_t *zp = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *res = levels > 1 ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;
+    uint8_t *uo = xo ? (uint8_t *)malloc((size_t)(M * Kp)) : NULL; /* the outlier rows */
+    float *xso = xo ? (float *)malloc(sizeof(float) * (size_t)M) : NULL;
+    int32_t *zpo = xo ? (int32_t *)malloc(sizeof(int32_t) * (size_t)M) : NULL;
     for (int64_t m = 0; m < M; m++) {
         const int64_t r0 = m * per;
         const float top = quantize_row(x + m * ldx, K, Kp, u + r0 * Kp, xs + r0, zp + r0,
@@ -415,9 +439,8 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
          * (a few ulps of max|x| per unit of |w^|). */
         if (bound) bound[m] = 0.505f * xs[r0 + levels - 1] + 4e-6f * top;
         if (xo) {
-            const int64_t r = r0 + levels;
-            const float top_o = quantize_row(xo + m * ldxo, K, Kp, u + r * Kp, xs + r, zp + r, NULL);
-            if (bound_o) bound_o[m] = 0.505f * xs[r] + 4e-6f * top_o;
+            const float top_o = quantize_row(xo + m * ldxo, K, Kp, uo + m * Kp, xso + m, zpo + m, NULL);
+            if (bound_o) bound_o[m] = 0.505f * xso[m] + 4e-6f * top_o;
         }
     }
     const int64_t vectors = N / LANES;
@@ -428,9 +451,13 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     const int nv = amx ? AMX_VECTORS : wide ? 2 : tile_vectors(R < GROUP ? R : GROUP);
     const int most = amx ? AMX_ROWS : wide ? MAX_MB512 : max_rows(nv);
     const int64_t tiles = (vectors + nv - 1) / nv;
+    int contiguous = 1; /* the outlier quads one run (ScreenedHead stores them last) */
+    for (int64_t i = 1; i < nq; i++) contiguous &= oquads[i] == oquads[0] + i;
 #pragma omp parallel
     {
     int configured = -1; /* AMX: the row count this thread's tiles hold */
+    /* this thread's outlier sums for a tile: row m, vector j at ostate[m * 8 + j] */
+    __m256i *ostate = xo ? (__m256i *)aligned_alloc(32, sizeof(__m256i) * 8 * (size_t)M) : NULL;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t v0 = t * nv, n0 = v0 * LANES;
@@ -464,6 +491,21 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                                  state + m0 * 8 + j);
                 m0 += mb;
             }
+            /* after the first group's passes, so those quads' weights are in cache */
+            if (g0 == 0) {
+                if (xo && nq > 0 && contiguous && uag_use_avx512vnni()) /* the outlier rows, their quads */
+                    for (int j = 0; j < width; j += 2)
+                        for (int64_t m0 = 0; m0 < M; m0 += MAX_MB512) {
+                            const int mb = (int)(M - m0 < MAX_MB512 ? M - m0 : MAX_MB512);
+                            const int8_t *w0 = wt + j * LANES * Kp + oquads[0] * LANES * QK;
+                            dispatch512(uo + m0 * Kp + oquads[0] * QK, Kp, mb, nq, w0,
+                                        j + 1 < width ? w0 + LANES * Kp : NULL, ostate + m0 * 8 + j);
+                        }
+                else if (xo)
+                    for (int64_t m = 0; m < M; m++)
+                        for (int j = 0; j < width; j++)
+                            ostate[m * 8 + j] = outlier_sums(uo + m * Kp, wt + j * LANES * Kp, oquads, nq);
+            }
             for (int64_t i = 0; i < rows; i++) {
                 const int64_t r = g0 + i, m = r / per;
                 for (int j = 0; j < width; j++) {
@@ -474,10 +516,17 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                     __m256 v = _mm256_mul_ps(
                         _mm256_cvtepi32_ps(_mm256_sub_epi32(state[i * 8 + j], corr)), s);
                     float *out = y + m * ldy + n;
-                    /* the row's first part writes (with the bias); its levels and outlier row,
-                     * in order, add to it */
+                    /* the row's first level writes (with the bias), its second adds, then its
+                     * outlier row adds */
                     if (r % per != 0) v = _mm256_add_ps(_mm256_loadu_ps(out), v);
                     else if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+                    if (xo && r % per == per - 1) {
+                        const __m256i sums = ostate[m * 8 + j];
+                        const __m256i oc = _mm256_mullo_epi32(
+                            _mm256_set1_epi32(zpo[m]), _mm256_loadu_si256((const __m256i *)(wsum_o + n)));
+                        const __m256 os = _mm256_mul_ps(_mm256_set1_ps(xso[m]), _mm256_loadu_ps(wscale + n));
+                        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums, oc)), os));
+                    }
                     _mm256_storeu_ps(out, v);
                 }
             }
@@ -488,8 +537,9 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 #else
     (void)configured;
 #endif
+    free(ostate);
     }
-    free(u), free(xs), free(zp), free(res);
+    free(u), free(xs), free(zp), free(res), free(uo), free(xso), free(zpo);
 }
 
 /* w[N, K] (row-major fp32) → q[N, K] int8 and scale[N]: per output, symmetric, scale =
