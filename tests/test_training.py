@@ -503,3 +503,78 @@ def test_replay_of_the_cost_rule_follows_the_runtime_state_and_its_fixed_point()
     )
     assert kappa == pytest.approx(result.speedup, abs=2e-3)
     assert result.tokens_per_s > replay.best_static(its, profile).tokens_per_s  # calibrated scores
+
+
+def test_report_split_is_held_out_from_training_and_tuning(tmp_path):
+    """``--report-fraction``: train, tune and report prompts are disjoint; κ is the tune
+    prompts' fixed point, and the reported figures are that κ (and the other tuned parameters)
+    replayed on the report prompts, recomputed here from the exported file."""
+    from training.data import replayable, split_by_prompt
+    from uag.features import to_gate_rows
+
+    run = write_run(tmp_path / "run", prompts=16)
+    data = load_runs([run])
+    train_set, tune, report = split_by_prompt(data, val_fraction=0.25, report_fraction=0.25, seed=0)
+    assert report is not None
+    sets = [set(s.prompt_ids.tolist()) for s in (train_set, tune, report)]
+    assert all(sets) and not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    assert sum(len(s) for s in sets) == 16
+    out = tmp_path / "ctrl.onnx"
+    summary = train(
+        TrainConfig(
+            data=[run], out=out, logdir=tmp_path / "tb", max_epochs=6, hidden=(16,),
+            batch_size=64, accelerator="cpu", devices="1", progress=False, report_fraction=0.25,
+        )
+    )  # fmt: skip
+    assert summary is not None and summary.reported == "report"
+    assert "tune" in summary.table() and "report ROC-AUC" in summary.table()
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["figures_on"] == "report"
+    assert set(json.loads(meta["report_prompt_ids"])) == sets[2]
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+
+    def iterations(part):
+        held = replayable(part)
+        score = sess.run(["p_accept"], {"features": held.features})[0].reshape(-1)
+        gate = sess.run(["p_accept"], {"features": to_gate_rows(held.features)})[0].reshape(-1)
+        return replay.build_iterations(held, score, gate)
+
+    profile, shift = tune.profile, float(meta["logit_shift"])
+    lookahead, kappa = int(meta["max_lookahead"]), float(meta["rate_factor"])
+    on_tune, _ = replay.rate_fixed_point(
+        iterations(tune), profile, max_lookahead=lookahead, logit_shift=shift, gate=True
+    )
+    assert kappa == pytest.approx(on_tune, abs=2e-3)  # chosen on the tune prompts
+    rule = replay.cost_rule(profile, rate_factor=kappa, max_lookahead=lookahead, logit_shift=shift)
+    on_report = replay.learned_by_cost(iterations(report), profile, rule, gate=True)
+    assert summary.sims["learned"].speedup == pytest.approx(on_report.speedup, abs=2e-3)
+    assert json.loads(meta["sim_speedup"])["learned"] == pytest.approx(on_report.speedup, abs=1e-3)
+    stop, skip = float(meta["threshold"]), float(meta["gate_threshold"])
+    assert (stop, skip) == pytest.approx(
+        replay.best_learned(iterations(tune), profile)[:2], abs=1e-6
+    )
+    by_threshold = replay.learned(iterations(report), profile, stop_below=stop, gate_below=skip)
+    assert by_threshold.mean_drafted > 0  # a rule that drafts (here the cost rule may not)
+    assert summary.sims["learned_other_rule"].speedup == pytest.approx(
+        by_threshold.speedup, abs=1e-6
+    )
+    assert summary.sims["learned_other_rule"].speedup != pytest.approx(
+        replay.learned(iterations(tune), profile, stop_below=stop, gate_below=skip).speedup,
+        abs=1e-6,
+    )  # the tune prompts' figure is another number: the report one is not it
+    with pytest.raises(UagError, match="report-fraction"):
+        TrainConfig(data=[run], val_fraction=0.5, report_fraction=0.5)
+
+
+def test_decision_rows_end_at_each_rounds_first_rejection(tmp_path):
+    """The decision-relevant rows: every accepted draft of a round, then its first rejection;
+    the rejected rows after it (trivially predictable) are left out."""
+    from training.data import decision_rows
+
+    data = load_runs([write_run(tmp_path / "run")])
+    keep = decision_rows(data)
+    position, accepted = data.columns["position"], data.columns["iter_accepted_drafts"]
+    assert keep.any() and not keep.all()
+    assert (data.labels[keep & (position <= accepted)] == 1).all()
+    assert (data.labels[keep & (position == accepted + 1)] == 0).all()
+    assert (data.labels[~keep] == 0).all() and (position[~keep] > accepted[~keep] + 1).all()

@@ -26,7 +26,12 @@ class TrainConfig:
     batch_size: int = 512
     lr: float = 3e-3
     val_fraction: float = 0.25
-    """Share of prompts (not rows) held out for validation and threshold choice."""
+    """Share of prompts (not rows) held out for validation and threshold choice (the *tune*
+    prompts)."""
+    report_fraction: float = 0.0
+    """Share of prompts held out from both training and tuning, on which the summary and the
+    ONNX metadata report AUC and simulated speed-ups (0: none; figures are then the tune
+    prompts', on which the thresholds were chosen)."""
     accelerator: str = "auto"
     devices: str = "auto"
     strategy: str = "auto"
@@ -48,5 +53,10 @@ class TrainConfig:
             raise UagError(f"--hidden must be positive widths like 32,32, got {self.hidden}")
         if not 0 < self.val_fraction < 1:
             raise UagError(f"validation fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0 <= self.report_fraction < 1 or self.val_fraction + self.report_fraction >= 1:
+            raise UagError(
+                f"--report-fraction must be in [0, 1) and leave training prompts beside the "
+                f"validation share {self.val_fraction}, got {self.report_fraction}"
+            )
         if self.decision not in ("cost", "threshold"):
             raise UagError(f"--decision must be cost or threshold, got {self.decision!r}")

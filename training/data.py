@@ -205,18 +205,36 @@ def replayable(data: Collected) -> Collected:
 
 
 def split_by_prompt(
-    data: Collected, *, val_fraction: float, seed: int
-) -> tuple[Collected, Collected]:
-    """Seeded split of whole prompts, so no prompt's tokens sit on both sides."""
+    data: Collected, *, val_fraction: float, seed: int, report_fraction: float = 0.0
+) -> tuple[Collected, Collected, Collected | None]:
+    """Seeded split of whole prompts, so no prompt's tokens sit on two sides: (train, tune,
+    report), report None when ``report_fraction`` is 0. Tune and report take at least one
+    prompt each, train the rest (at least one)."""
     prompts = np.unique(data.prompt_ids)
-    if len(prompts) < 2:
-        raise UagError("need at least 2 collected prompts to split into train and validation")
+    parts = 3 if report_fraction > 0 else 2
+    if len(prompts) < parts:
+        raise UagError(
+            f"need at least {parts} collected prompts to split into "
+            + ("train, tune and report" if parts == 3 else "train and validation")
+        )
     rng = np.random.default_rng(seed)
     shuffled = rng.permutation(prompts)
-    n_val = min(max(1, round(len(prompts) * val_fraction)), len(prompts) - 1)
+    n_report = max(1, round(len(prompts) * report_fraction)) if parts == 3 else 0
+    n_val = min(max(1, round(len(prompts) * val_fraction)), len(prompts) - n_report - 1)
+    n_report = min(n_report, len(prompts) - n_val - 1)
     val_prompts = set(shuffled[:n_val].tolist())
+    report_prompts = set(shuffled[n_val : n_val + n_report].tolist())
     is_val = np.array([p in val_prompts for p in data.prompt_ids])
-    return data.subset(~is_val), data.subset(is_val)
+    is_report = np.array([p in report_prompts for p in data.prompt_ids])
+    report = data.subset(is_report) if parts == 3 else None
+    return data.subset(~is_val & ~is_report), data.subset(is_val), report
+
+
+def decision_rows(data: Collected) -> np.ndarray:
+    """Rows a stop decision is made on: drafted tokens up to and including each round's first
+    rejection. Rows after it are trivially rejected (the round already failed there), so an AUC
+    over every row overstates how well the controller decides where to stop."""
+    return data.columns["position"] <= data.columns["iter_accepted_drafts"] + 1
 
 
 def with_gate_rows(data: Collected) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

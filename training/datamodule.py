@@ -60,13 +60,15 @@ class SharedOrderBatches(torch.utils.data.Sampler[list[int]]):
 
 
 class ControllerDataModule(L.LightningDataModule):
-    """Train/validation loaders over collected runs (I/O in ``setup``, split seeded)."""
+    """Train/validation loaders over collected runs (I/O in ``setup``, split seeded; a report
+    split, when asked for, is held out from both)."""
 
     def __init__(
         self,
         dirs: list[Path],
         *,
         val_fraction: float = 0.25,
+        report_fraction: float = 0.0,
         seed: int = 0,
         batch_size: int = 512,
         allow_mixed: bool = False,
@@ -75,16 +77,19 @@ class ControllerDataModule(L.LightningDataModule):
         self.dirs = dirs
         self.allow_mixed = allow_mixed
         self.val_fraction = val_fraction
+        self.report_fraction = report_fraction
         self.seed = seed
         self.batch_size = batch_size
         self.train_set: Collected | None = None
         self.val_set: Collected | None = None
+        self.report_set: Collected | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
-            self.train_set, self.val_set = split_by_prompt(
+            self.train_set, self.val_set, self.report_set = split_by_prompt(
                 load_runs(self.dirs, allow_mixed=self.allow_mixed),
                 val_fraction=self.val_fraction,
+                report_fraction=self.report_fraction,
                 seed=self.seed,
             )
 

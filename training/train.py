@@ -15,7 +15,7 @@ import numpy as np
 
 from training import replay
 from training.config import TrainConfig
-from training.data import Collected, replayable
+from training.data import Collected, decision_rows, replayable
 from training.datamodule import ControllerDataModule
 from training.export import export_onnx
 from training.model import ControllerNet
@@ -35,17 +35,29 @@ class TrainSummary:
     gate_threshold: float
     """Skip drafting an iteration when its gate row's P(accept) is below this (0: never skip)."""
     auc: dict[str, float]
-    """Validation ROC-AUC: mlp, logistic_regression, confidence (the drafted token's probability)."""
+    """ROC-AUC on the reported split: mlp, logistic_regression, confidence (the drafted token's
+    probability), and mlp over the decision rows only (``decision_rows``)."""
     sims: dict[str, replay.SimResult]
-    """Validation replay: learned, best static, confidence 0.4, tuned confidence, entropy, oracle."""
+    """Replay on the reported split: learned, best static, confidence 0.4, tuned confidence,
+    entropy, oracle (parameters chosen on the tune split)."""
     onnx_max_abs_diff: float
     log_dir: str
     rows: dict[str, int] = field(default_factory=dict)
+    reported: str = "validation"
+    """Which prompts the figures are on: ``validation`` (the tune prompts, where thresholds were
+    chosen) or ``report`` (held out from training and tuning)."""
 
     def table(self) -> str:
+        where = "report" if self.reported == "report" else "validation"
+        split = (
+            f"rows: train {self.rows.get('train', 0)}, tune {self.rows.get('val', 0)}, "
+            f"report {self.rows.get('report', 0)}"
+            if self.reported == "report"
+            else f"rows: train {self.rows.get('train', 0)}, validation {self.rows.get('val', 0)}"
+        )
         lines = [
-            f"rows: train {self.rows.get('train', 0)}, validation {self.rows.get('val', 0)}",
-            "validation ROC-AUC: " + ", ".join(f"{k} {v:.3f}" for k, v in self.auc.items()),
+            split,
+            f"{where} ROC-AUC: " + ", ".join(f"{k} {v:.3f}" for k, v in self.auc.items()),
             f"decision: {self.decision}"
             + (
                 f" (draft while expected tokens beat their cost at {self.rate_factor:.2f}x the "
@@ -54,7 +66,8 @@ class TrainSummary:
                 else f" (thresholds with max simulated tokens/s on validation: stop below "
                 f"{self.threshold:.2f}, skip drafting below {self.gate_threshold:.2f})"
             ),
-            "simulated speed-up vs target alone (validation replay):",
+            f"simulated speed-up vs target alone ({where} replay"
+            + ("; every parameter chosen on the tune prompts):" if where == "report" else "):"),
         ]
         lines += [
             f"  {s.name:24s} {s.speedup:5.2f}x   drafts/iter {s.mean_drafted:4.2f}   acceptance {s.acceptance:5.1%}"
@@ -88,8 +101,9 @@ def _baselines(train: Collected, val: Collected) -> dict[str, float]:
 
 
 def train(cfg: TrainConfig) -> TrainSummary | None:
-    """Train, tune thresholds by replay on the validation prompts, export ONNX; None in every
-    process but the first of a multi-process run (``--devices N --strategy ddp``)."""
+    """Train, tune thresholds by replay on the validation (tune) prompts, report on the report
+    prompts when there are any, export ONNX; None in every process but the first of a
+    multi-process run (``--devices N --strategy ddp``)."""
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -97,6 +111,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     dm = ControllerDataModule(
         cfg.data,
         val_fraction=cfg.val_fraction,
+        report_fraction=cfg.report_fraction,
         seed=cfg.seed,
         batch_size=cfg.batch_size,
         allow_mixed=cfg.allow_mixed,
@@ -143,18 +158,16 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         return None  # the first process chooses thresholds and exports, once
 
     net = net.cpu()
-    scores = predict(net, val_set.features)
-    auc = {"mlp": _auc(val_set.labels, scores), **_baselines(train_set, val_set)}
     its = iterations_with_scores(net, replay_set)
     profile = val_set.profile
     max_lookahead = int(val_set.meta.get("max_lookahead", its.max_len))
     logit_shift = float(np.log(pos_weight))  # the class weighting multiplied the odds by it
+    # every parameter is chosen on the tune (validation) prompts ...
     threshold, gate_threshold, by_threshold = replay.best_learned(its, profile, gate=cfg.gate)
     rate_factor, by_cost = replay.rate_fixed_point(
         its, profile, max_lookahead=max_lookahead, logit_shift=logit_shift, gate=cfg.gate
     )
-    learned = by_cost if cfg.decision == "cost" else by_threshold
-    _, conf_best = replay.best_threshold(
+    conf_t, conf_best = replay.best_threshold(
         its,
         profile,
         column="prob",
@@ -162,7 +175,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         grid=replay.PROB_GRID,
         name=lambda t: f"confidence-{t:.2f} (tuned)",
     )
-    _, ent_best = replay.best_threshold(
+    ent_t, ent_best = replay.best_threshold(
         its,
         profile,
         column="entropy",
@@ -170,10 +183,30 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         grid=replay.ENTROPY_GRID,
         name=lambda t: f"entropy-{t:.1f} (tuned)",
     )
+    best_k = int(replay.best_static(its, profile).name.removeprefix("static-"))
+    reported = dm.report_set if dm.report_set is not None else val_set
+    if dm.report_set is not None:  # ... and applied unchanged to the report prompts
+        its = iterations_with_scores(net, replayable(dm.report_set))
+        rule = replay.cost_rule(
+            profile, rate_factor=rate_factor, max_lookahead=max_lookahead, logit_shift=logit_shift
+        )
+        by_cost = replay.learned_by_cost(its, profile, rule, gate=cfg.gate)
+        by_threshold = replay.learned(its, profile, stop_below=threshold, gate_below=gate_threshold)
+        conf_best = replay.threshold_rule(
+            its, profile, column="prob", threshold=conf_t, below=True, name=conf_best.name
+        )
+        ent_best = replay.threshold_rule(
+            its, profile, column="entropy", threshold=ent_t, below=False, name=ent_best.name
+        )
+    scores = predict(net, reported.features)
+    auc = {"mlp": _auc(reported.labels, scores), **_baselines(train_set, reported)}
+    deciding = decision_rows(reported)
+    auc["mlp, decision rows"] = _auc(reported.labels[deciding], scores[deciding])
+    learned = by_cost if cfg.decision == "cost" else by_threshold
     sims = {
         "learned": learned,
         "learned_other_rule": by_threshold if cfg.decision == "cost" else by_cost,
-        "best_static": replay.best_static(its, profile),
+        "best_static": replay.static(its, profile, best_k),
         "confidence_0.4": replay.threshold_rule(
             its, profile, column="prob", threshold=0.4, below=True, name="confidence-0.4"
         ),
@@ -201,6 +234,10 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         "train_prompt_ids": json.dumps(
             sorted({str(i) for i in (*train_set.prompt_ids, *val_set.prompt_ids)})
         ),
+        "figures_on": "report" if dm.report_set is not None else "validation",
+        "report_prompt_ids": json.dumps(
+            sorted({str(i) for i in dm.report_set.prompt_ids}) if dm.report_set is not None else []
+        ),
         "val_auc": auc,
         "sim_speedup": {k: round(v.speedup, 4) for k, v in sims.items()},
     }
@@ -219,5 +256,10 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         sims=sims,
         onnx_max_abs_diff=diff,
         log_dir=logger.log_dir,
-        rows={"train": len(train_set.labels), "val": len(val_set.labels)},
+        rows={
+            "train": len(train_set.labels),
+            "val": len(val_set.labels),
+            **({"report": len(dm.report_set.labels)} if dm.report_set is not None else {}),
+        },
+        reported="report" if dm.report_set is not None else "validation",
     )

@@ -640,6 +640,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="seed for the prompt split and training (default: %(default)s)",
     )
     p.add_argument(
+        "--report-fraction",
+        type=float,
+        default=default_of(TrainConfig, "report_fraction"),
+        help="share of the prompts held out from training and from choosing thresholds and "
+        "kappa, on which the summary and the ONNX metadata report AUC and simulated speed-ups "
+        "(0: none, and those figures are the validation prompts', where the choices were made) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--batch-size",
         type=_positive_int,
         default=default_of(TrainConfig, "batch_size"),
