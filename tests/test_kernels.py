@@ -479,9 +479,9 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
         if not q4:  # the screening product: two levels, outlier rows and the bounds
             y, bound, bound_o = torch.empty(17, layer.padded_out), torch.empty(17), torch.empty(17)
             rest, outliers = x.clone(), torch.zeros_like(x)
-            outliers[:, [3, 50]], rest[:, [3, 50]] = 30 * x[:, [3, 50]], 0.0
-            quads = torch.tensor([0, 12], dtype=torch.int32)  # channels 3 and 50
-            wsum = layer.weight_ilv[:, [0, 12]].sum(dim=(1, 3), dtype=torch.int32).reshape(-1)
+            outliers[:, [122, 125]], rest[:, [122, 125]] = 30 * x[:, [122, 125]], 0.0
+            quads = range(30, 32)  # channels 120-127: the run the outlier tile takes
+            wsum = layer.weight_ilv[:, 30:32].sum(dim=(1, 3), dtype=torch.int32).reshape(-1)
             layer.product_q8(
                 rest,
                 y,

@@ -199,10 +199,13 @@ def best_threshold(
     return max(results, key=lambda r: r[1].tokens_per_s)
 
 
+def best_static_k(its: Iterations, profile: LatencyProfile) -> int:
+    """The static lookahead with the most simulated tokens per second."""
+    return max(range(1, its.max_len + 1), key=lambda k: static(its, profile, k).tokens_per_s)
+
+
 def best_static(its: Iterations, profile: LatencyProfile) -> SimResult:
-    return max(
-        (static(its, profile, k) for k in range(1, its.max_len + 1)), key=lambda r: r.tokens_per_s
-    )
+    return static(its, profile, best_static_k(its, profile))
 
 
 def learned(

@@ -183,7 +183,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         grid=replay.ENTROPY_GRID,
         name=lambda t: f"entropy-{t:.1f} (tuned)",
     )
-    best_k = int(replay.best_static(its, profile).name.removeprefix("static-"))
+    best_k = replay.best_static_k(its, profile)
     reported = dm.report_set if dm.report_set is not None else val_set
     if dm.report_set is not None:  # ... and applied unchanged to the report prompts
         its = iterations_with_scores(net, replayable(dm.report_set))

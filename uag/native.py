@@ -121,27 +121,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_set_amx.restype = i64
     lib.uag_set_amx.argtypes = [i64]
     lib.uag_linear_q8.restype = None
-    lib.uag_linear_q8.argtypes = [
-        p,
-        i64,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        p,
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        i64,
-        p,
-        p,
-        i64,
-        p,
-    ]
+    lib.uag_linear_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, i64, p]  # fmt: skip
     lib.uag_decoder_layer.restype = None
     lib.uag_decoder_layer.argtypes = [p, p, i64, i64, p, p, i64, p, p, p]
     lib.uag_block_int8.restype = i64
@@ -725,13 +705,13 @@ class NativeLinear(nn.Module):
         *,
         levels: int = 1,
         bound: torch.Tensor | None = None,
-        outliers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        outliers: tuple[torch.Tensor, range, torch.Tensor] | None = None,
         bound_outliers: torch.Tensor | None = None,
     ) -> None:
         """``y = rows @ W^T (+ bias)`` through ``q8.c`` (``rows``: contiguous fp32, padded
         width; ``y``: contiguous, padded width): ``levels`` 2 adds the residual's pass,
         ``bound`` receives the per-row error bound; ``outliers`` = (``xo [M, padded width]``:
-        the outlier channels' values, zeros elsewhere, ``rows`` zero there; ``quads`` int32: the
+        the outlier channels' values, zeros elsewhere, ``rows`` zero there; ``quads``: the run of
         quads holding them; ``wsum`` int32 ``[padded out]``: the weights' sums over those quads)
         adds them on their own scale, their bound into ``bound_outliers`` (see ``q8.c``)."""
         assert self.lib is not None and self.dynamic and not self.q4
@@ -745,7 +725,7 @@ class NativeLinear(nn.Module):
             None if bound is None else bound.data_ptr(),
             None if xo is None else xo.data_ptr(), self.padded_in,
             None if bound_outliers is None else bound_outliers.data_ptr(),
-            None if quads is None else quads.data_ptr(), 0 if quads is None else len(quads),
+            0 if quads is None else quads.start, 0 if quads is None else len(quads),
             None if wsum is None else wsum.data_ptr(),
         )  # fmt: skip
 

@@ -108,7 +108,7 @@ class ScreenedHead(nn.Module):
         """The int8 product's input channel at each position (``set_outliers``)."""
         self.row_l1 = torch.empty(0)
         self.row_l1_out = torch.empty(0)
-        self.outlier_quads = torch.empty(0, dtype=torch.int32)
+        self.outlier_quads = range(0)
         self.outlier_wsum = torch.empty(0, dtype=torch.int32)
         self.set_outliers(torch.zeros(0, dtype=torch.long))
         self.calibrated = False
@@ -136,9 +136,9 @@ class ScreenedHead(nn.Module):
         """Per vocabulary row: ‖ŵ‖₁ over the other channels, times their r."""
         self.row_l1_out = (abs_out[: self.out_features].double() * scales).float()
         """Per vocabulary row: ‖ŵ‖₁ over the outlier channels, times theirs."""
-        quads = torch.arange((width - len(channels)) // 4, width // 4)
-        self.outlier_quads = quads.to(torch.int32)
+        self.outlier_quads = range((width - len(channels)) // 4, width // 4)
         """The int8 product's quads (4 channels each) that hold them: their row runs over these."""
+        quads = slice(self.outlier_quads.start, self.outlier_quads.stop)
         self.outlier_wsum = blocks[:, quads].sum(dim=(1, 3), dtype=torch.int32).reshape(-1)
         """Per output: the int8 weights' sum over those quads (the outlier row's zero point)."""
 

@@ -27,8 +27,7 @@ void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint
 void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
-                   int64_t ldxo, float *bound_o, const int32_t *oquads, int64_t nq,
-                   const int32_t *wsum_o);
+                   int64_t ldxo, float *bound_o, int64_t q0, int64_t nq, const int32_t *wsum_o);
 void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy);
 
@@ -65,7 +64,7 @@ static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y
                       y, l->out);
     else if (l->kind == 2)
         uag_linear_q8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->wsum, l->out,
-                      l->bias, y, l->out, 1, NULL, NULL, 0, NULL, NULL, 0, NULL);
+                      l->bias, y, l->out, 1, NULL, NULL, 0, NULL, 0, 0, NULL);
     else if (l->kind == 3)
         uag_linear_b8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->out, l->bias,
                       y, l->out);

@@ -376,17 +376,17 @@ static int max_rows(int nv) { return nv == 8 ? 1 : nv == 4 ? 2 : nv == 3 ? 3 : n
 
 #define GROUP 32 /* rows whose sums stay in one state buffer (32 x 8 vectors, 8 KB) */
 
-/* One vector of 8 outputs (weights w, [K/4][8][4]) times row u over only the quads q[0..nq):
- * exact int32 sums (AVX2, inlined into the epilogue: nq is a handful, and a call per vector and
- * row cost more than the sums). */
+/* One vector of 8 outputs (weights w, [K/4][8][4]) times row u over the quads q0..q0+nq-1:
+ * exact int32 sums (AVX2, inlined into the epilogue: nq is a handful). The AVX-512 VNNI tile
+ * gives the same integers where there is one. */
 static inline __attribute__((always_inline)) __m256i outlier_sums(const uint8_t *u, const int8_t *w,
-                                                                  const int32_t *q, int64_t nq) {
+                                                                  int64_t q0, int64_t nq) {
     __m256i acc = _mm256_setzero_si256();
-    for (int64_t i = 0; i < nq; i++) {
+    for (int64_t q = q0; q < q0 + nq; q++) {
         int32_t four;
-        memcpy(&four, u + q[i] * QK, sizeof four);
+        memcpy(&four, u + q * QK, sizeof four);
         acc = dot_avx2(acc, _mm256_set1_epi32(four),
-                       _mm256_loadu_si256((const __m256i *)(w + (int64_t)q[i] * LANES * QK)));
+                       _mm256_loadu_si256((const __m256i *)(w + q * LANES * QK)));
     }
     return acc;
 }
@@ -401,22 +401,21 @@ static inline __attribute__((always_inline)) __m256i outlier_sums(const uint8_t 
  *
  * Outlier channels (ScreenedHead's: a few channels ~10-20x the others, whose range would
  * coarsen every other channel's 7 bits): x must hold zeros there, and xo[M, K] (row stride
- * ldxo; NULL for none) holds the values there and zeros elsewhere. Each xo row is quantised on
- * its own scale; its product runs over only the nq quads oquads[] that hold those channels
- * (every other quad's (u - zp) is 0: the same integers as the whole row, with wsum_o[n] the
- * weights' sum over those quads for the zero point), and is added to its row's output after the
- * levels. bound_o[m] receives its r (as bound's, times those channels' sum |w^|). Those quads'
- * weights are in L1 from the tile's pass. Gemma's head, 1 / 2 / 4 / 8 rows: where the quads are
- * one run (ScreenedHead stores the outliers last) they take the AVX-512 VNNI tile, else an AVX2
- * loop; a fused fp32 epilogue over exact outlier weights cost ~0.7 / - / - / 1.3 ms, and the
- * whole row as one more product row doubled a 2-4 row verify's integer work. */
+ * ldxo; NULL for none) holds the values there and zeros elsewhere; those channels lie in the
+ * nq quads from q0 (ScreenedHead stores them last). Each xo row is quantised on its own scale;
+ * its product runs over only those quads (every other quad's (u - zp) is 0: the same integers as
+ * the whole row, with wsum_o[n] the weights' sum over those quads for the zero point), and is
+ * added to its row's output after the levels. bound_o[m] receives its r (as bound's, times those
+ * channels' sum |w^|). Those quads' weights are in L1 from the tile's pass; they take the
+ * AVX-512 VNNI tile where there is one, else an AVX2 loop. Gemma's head: +0.34 / 0.25 / 0.24 /
+ * 0.24 ms at 1 / 2 / 4 / 8 rows, where a fused fp32 epilogue over exact outlier weights cost
+ * ~0.7 / - / - / 1.3 ms and the whole row as one more product row doubled a 2-4 row verify's
+ * integer work. */
 void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
                    float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
-                   int64_t ldxo, float *bound_o, const int32_t *oquads, int64_t nq,
-                   const int32_t *wsum_o) {
-    const int64_t per = levels; /* product rows per input row */
-    const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * per;
+                   int64_t ldxo, float *bound_o, int64_t q0, int64_t nq, const int32_t *wsum_o) {
+    const int64_t Kp = (K + QK - 1) / QK * QK, Kq = Kp / QK, R = M * levels;
     /* AMX passes all have one height, so the last may read up to 15 rows past R (their sums
      * are never used) */
     uint8_t *u = (uint8_t *)malloc((size_t)((R + AMX_ROWS) * Kp));
@@ -427,7 +426,7 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     float *xso = xo ? (float *)malloc(sizeof(float) * (size_t)M) : NULL;
     int32_t *zpo = xo ? (int32_t *)malloc(sizeof(int32_t) * (size_t)M) : NULL;
     for (int64_t m = 0; m < M; m++) {
-        const int64_t r0 = m * per;
+        const int64_t r0 = m * levels;
         const float top = quantize_row(x + m * ldx, K, Kp, u + r0 * Kp, xs + r0, zp + r0,
                                        levels > 1 ? res : NULL);
         for (int64_t l = 1; l < levels; l++) {
@@ -451,8 +450,6 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     const int nv = amx ? AMX_VECTORS : wide ? 2 : tile_vectors(R < GROUP ? R : GROUP);
     const int most = amx ? AMX_ROWS : wide ? MAX_MB512 : max_rows(nv);
     const int64_t tiles = (vectors + nv - 1) / nv;
-    int contiguous = 1; /* the outlier quads one run (ScreenedHead stores them last) */
-    for (int64_t i = 1; i < nq; i++) contiguous &= oquads[i] == oquads[0] + i;
 #pragma omp parallel
     {
     int configured = -1; /* AMX: the row count this thread's tiles hold */
@@ -493,21 +490,21 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             }
             /* after the first group's passes, so those quads' weights are in cache */
             if (g0 == 0) {
-                if (xo && nq > 0 && contiguous && uag_use_avx512vnni()) /* the outlier rows, their quads */
+                if (xo && nq > 0 && uag_use_avx512vnni()) /* the outlier rows, their quads */
                     for (int j = 0; j < width; j += 2)
                         for (int64_t m0 = 0; m0 < M; m0 += MAX_MB512) {
                             const int mb = (int)(M - m0 < MAX_MB512 ? M - m0 : MAX_MB512);
-                            const int8_t *w0 = wt + j * LANES * Kp + oquads[0] * LANES * QK;
-                            dispatch512(uo + m0 * Kp + oquads[0] * QK, Kp, mb, nq, w0,
+                            const int8_t *w0 = wt + j * LANES * Kp + q0 * LANES * QK;
+                            dispatch512(uo + m0 * Kp + q0 * QK, Kp, mb, nq, w0,
                                         j + 1 < width ? w0 + LANES * Kp : NULL, ostate + m0 * 8 + j);
                         }
                 else if (xo)
                     for (int64_t m = 0; m < M; m++)
                         for (int j = 0; j < width; j++)
-                            ostate[m * 8 + j] = outlier_sums(uo + m * Kp, wt + j * LANES * Kp, oquads, nq);
+                            ostate[m * 8 + j] = outlier_sums(uo + m * Kp, wt + j * LANES * Kp, q0, nq);
             }
             for (int64_t i = 0; i < rows; i++) {
-                const int64_t r = g0 + i, m = r / per;
+                const int64_t r = g0 + i, m = r / levels;
                 for (int j = 0; j < width; j++) {
                     const int64_t n = n0 + j * LANES;
                     const __m256i corr = _mm256_mullo_epi32(
@@ -518,9 +515,9 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                     float *out = y + m * ldy + n;
                     /* the row's first level writes (with the bias), its second adds, then its
                      * outlier row adds */
-                    if (r % per != 0) v = _mm256_add_ps(_mm256_loadu_ps(out), v);
+                    if (r % levels != 0) v = _mm256_add_ps(_mm256_loadu_ps(out), v);
                     else if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
-                    if (xo && r % per == per - 1) {
+                    if (xo && r % levels == levels - 1) {
                         const __m256i sums = ostate[m * 8 + j];
                         const __m256i oc = _mm256_mullo_epi32(
                             _mm256_set1_epi32(zpo[m]), _mm256_loadu_si256((const __m256i *)(wsum_o + n)));
