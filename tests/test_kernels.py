@@ -10,6 +10,7 @@ from torch import nn
 
 import uag
 from controllers.rules import StaticPolicy
+from tests.nasty import NASTY_PROMPTS
 from tests.tiny import cross_pair, one_row_vs_chunked_logits, same_tokenizer_pair
 from uag import kernels, native
 from uag.errors import UagError
@@ -708,3 +709,111 @@ def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
     monkeypatch.setattr(ScreenedHead, "_exact_in_c", lambda *args: None)
     again, torch_logits = screened.greedy(x)
     assert again == ids and torch.equal(torch_logits, logits)
+
+
+def _q4k_like_linear(out: int, width: int, *, seed: int = 0) -> nn.Linear:
+    """A weight as GGUF's Q4_K de-quantises: per block of 32, an exact scale times 0..15 minus
+    an exact minimum; one block's second half holds only even steps, so its 16-wide blocks read
+    twice the scale of their neighbour (``to_integer`` must still join them)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, width), generator=gen).float()
+    q[0, 16:32] = torch.randint(0, 8, (16,), generator=gen).float() * 2
+    q[0, 16], q[0, 17] = 0.0, 14.0
+
+    def exact(top: float) -> torch.Tensor:  # an fp16 times a 6-bit integer
+        d = (torch.rand(out, width // 32, generator=gen) * top / 63).half().float()
+        return (
+            d * torch.randint(16, 64, (out, width // 32), generator=gen).float()
+        ).repeat_interleave(32, 1)
+
+    linear = nn.Linear(width, out)
+    with torch.no_grad():
+        linear.weight.copy_(q * exact(2e-3) - exact(0.02))
+    return linear
+
+
+def _integer_form(form: str) -> tuple[nn.Linear, int, bool]:
+    """(linear, the block width and affinity ``to_integer`` should choose) for one GGUF form."""
+    gen = torch.Generator().manual_seed(5)
+    if form in ("q8_0", "q5_0"):
+        return _gguf_like_linear(48, 640, steps=127 if form == "q8_0" else 16), 32, False
+    if form == "q4_k":
+        return _q4k_like_linear(48, 1024), 32, True
+    linear = nn.Linear(1024, 48)
+    with torch.no_grad():
+        levels = 64 if form == "q6_k" else 16
+        linear.weight.copy_(native.affine_like_weight(48, 1024, levels=levels, generator=gen))
+    return linear, 16, form == "k16"
+
+
+@needs_native
+@pytest.mark.parametrize("form", ["q8_0", "q5_0", "q4_k", "q6_k", "k16"])
+def test_integer_products_give_the_same_bits_on_every_path_and_row_count(form):
+    """exact.c sums exact integers, so AMX, AVX-512 VNNI and the scalar reference give the same
+    bits for every row count; the result is within 3 fp32 roundings (of sum |x| |w|) of the
+    float64 product, closer than fp32's own multiply-add chain, for rows with an outlier channel, a zero row
+    (the bias, exactly), a row near fp32's smallest normal and one far above 1; a non-finite row
+    is NaN and leaves the others alone."""
+    import copy
+
+    linear, block, affine = _integer_form(form)
+    blocked = native.NativeLinear(linear)
+    layer = copy.deepcopy(blocked)
+    if not layer.to_integer():
+        pytest.skip("exact.c's fast paths (AVX-512 VNNI) unavailable here")
+    assert (layer.x8_block, layer.x8_affine) == (block, affine)
+    assert torch.allclose(layer.dequantized(), linear.weight, rtol=1e-6, atol=1e-9)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(17, linear.in_features, generator=gen)
+    x[:, 5] *= 30.0
+    x[3] = 0.0
+    x[4] *= 1e-36
+    x[6] *= 1e20
+    lib = layer.lib
+    runs = []
+    try:
+        for amx, vnni in ((0, 0), (0, 1), (1, 1)):
+            lib.uag_set_amx(amx)
+            lib.uag_set_avx512vnni(vnni)
+            runs.append([layer(x[:m]) for m in range(1, 18)])
+    finally:
+        lib.uag_set_amx(1)
+        lib.uag_set_avx512vnni(1)
+    full = runs[0][-1]
+    for outs in runs:
+        for m, y in enumerate(outs, start=1):
+            assert torch.equal(y, full[:m])
+    assert torch.equal(full[3], linear.bias.detach())
+    w64, x64 = linear.weight.double(), x.double()
+    exact = x64 @ w64.T + linear.bias.double()
+    scale = x64.abs() @ w64.abs().T + linear.bias.double().abs()
+    ours = ((full.double() - exact).abs() / scale).max().item()
+    fp32 = ((blocked(x).double() - exact).abs() / scale).max().item()
+    assert ours <= 3 * 2.0**-24 and ours < fp32  # measured: ~1-1.5 units against fp32's ~5
+    x[7, 9] = float("nan")
+    broken = layer(x)
+    assert torch.isnan(broken[7]).all() and torch.equal(broken[8:], full[8:])
+
+
+@needs_native
+def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(tokenizers):
+    """A target whose layers are GGUF-like blocks runs them on exact.c (where the CPU has
+    AVX-512 VNNI): one position alone and among 1–9 give bitwise the same logits, and greedy
+    UAG at lookahead 6 is token-for-token target-alone on every nasty prompt."""
+    from tests.tiny import gguf_like_pair
+
+    pair = gguf_like_pair(tokenizers, kernels="native")
+    if not pair.target_lm.lean.layers[0].qkv.lib.uag_x8_available():
+        pytest.skip("exact.c's fast paths (AVX-512 VNNI) unavailable here")
+    for layer in pair.target_lm.lean.layers:
+        assert all(m.integer for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    ids = pair.target.tokenizer("def f(x):\n    return x * 2\n")["input_ids"]
+    alone, chunked = one_row_vs_chunked_logits(pair.target_lm, ids[:5], ids[5:] * 3)
+    assert torch.equal(alone, chunked)
+    accepted = 0
+    for prompt in NASTY_PROMPTS.values():
+        ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
+        out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=24)
+        assert out.token_ids == ref.token_ids
+        accepted += sum(r.accepted_candidates for r in out.iterations)
+    assert accepted > 0  # verification accepted drafts, so multi-row forwards decided tokens

@@ -102,6 +102,45 @@ def tiny_gemma(vocab: int, *, seed: int = 0, sliding_window: int = 8):
     return Gemma3ForCausalLM(config).float()
 
 
+def gguf_like_gemma(vocab: int, *, seed: int = 0):
+    """``tiny_gemma`` whose layers' weights are as Gemma 3's GGUF de-quantises them: q/k/v and
+    gate/up Q8_0-like (per 32 inputs an fp16 scale times integers up to 127), o and down
+    Q4_K-like (per 32 inputs an exact scale times 0..15 minus an exact minimum), so uag's
+    native kernels hold them as exact blocks and its lean body moves them to ``exact.c``."""
+    model = tiny_gemma(vocab, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def exact(size: tuple[int, int], top: float) -> torch.Tensor:  # an fp16 times a 6-bit integer
+        d = (torch.rand(size, generator=gen) * top / 63).half().float()
+        return d * torch.randint(16, 64, size, generator=gen).float()
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                out, width = linear.weight.shape
+                q = torch.randint(-127, 128, (out, width), generator=gen).float()
+                q[:, ::32] = -127.0
+                scale = (torch.rand(out, width // 32, generator=gen) * 4e-4 + 1e-4).half().float()
+                linear.weight.copy_(q * scale.repeat_interleave(32, dim=1))
+            for linear in (attn.o_proj, mlp.down_proj):
+                out, width = linear.weight.shape
+                q = torch.randint(0, 16, (out, width), generator=gen).float()
+                scale, low = exact((out, width // 32), 2e-3), exact((out, width // 32), 0.02)
+                weight = q * scale.repeat_interleave(32, 1) - low.repeat_interleave(32, 1)
+                linear.weight.copy_(weight)
+    return model
+
+
+def gguf_like_pair(tokenizers, *, kernels: str = "auto") -> Pair:
+    """``gguf_like_gemma`` target ← a noisy copy of it (same tokenizer): many acceptances."""
+    gemma_tok, _ = tokenizers
+    model = gguf_like_gemma(len(gemma_tok))
+    target = wrap_model(model, gemma_tok, ref="tiny-gemma-gguf")
+    assistant = wrap_model(noisy_copy(model, scale=0.05), gemma_tok, ref="tiny-gemma-gguf-noisy")
+    return make_pair(target, assistant, kernels=kernels)
+
+
 def tiny_llama(vocab: int, *, seed: int = 1):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -241,6 +241,7 @@ class _Layer:
             (_Norm(attn.q_norm, gemma=True), _Norm(attn.k_norm, gemma=True)) if gemma else None
         )
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        _integer([self.q, self.k, self.v, self.o, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
         self.qkv = fuse([self.q, self.k, self.v])
         self.splits = [int(m.out_features) for m in (self.q, self.k, self.v)]
         act = _activation(mlp.act_fn)
@@ -422,6 +423,17 @@ class LeanBody:
             q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=self.scaling
         )  # [1, hq, n, d]
         return out[0].transpose(0, 1).reshape(n, -1)
+
+
+def _integer(linears: list[Any]) -> None:
+    """The layer's exact block storage onto ``exact.c`` where it runs fast
+    (``NativeLinear.to_integer``), before fusing: a verify's extra rows then cost integer
+    products, not fp32 multiply-adds, and every row still computes alone."""
+    from uag.native import NativeLinear
+
+    for linear in linears:
+        if isinstance(linear, NativeLinear):
+            linear.to_integer()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ class _Linear(ctypes.Structure):
         ("in_", ctypes.c_int64),
         ("out", ctypes.c_int64),
         ("kind", ctypes.c_int64),
+        ("block", ctypes.c_int64),
+        ("affine", ctypes.c_int64),
     ]
 
 
@@ -78,11 +80,15 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
         None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
         layer.in_features,
         layer.out_features,
-        5
+        6
+        if layer.integer
+        else 5
         if layer.q4
         else {"block_int8": 3, "block_affine": 4}.get(
             layer.exact_format, 2 if layer.dynamic else int(layer.int8)
         ),
+        layer.x8_block,
+        int(layer.x8_affine),
     )
 
 

@@ -30,6 +30,9 @@ void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                    int64_t ldxo, float *bound_o, int64_t q0, int64_t nq, const int32_t *wsum_o);
 void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy);
+void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
+                   const float *params, int64_t blk, int64_t affine, int64_t N,
+                   const float *bias, float *y, int64_t ldy);
 
 typedef struct {
     const void *weight; /* interleaved (skinny.c) */
@@ -41,7 +44,9 @@ typedef struct {
     int64_t kind;       /* 0 fp32, 1 int8 weight-only (skinny.c), 2 dynamic int8 (q8.c),
                            3 block-scaled int8 equal to the fp32 weight (skinny.c),
                            4 block-affine uint8 equal to the fp32 weight (skinny.c),
-                           5 4-bit weights x int8 activations (q4.c) */
+                           5 4-bit weights x int8 activations (q4.c),
+                           6 block weights x activations as exact integers (exact.c) */
+    int64_t block, affine; /* kind 6: inputs per block; whether blocks have bases */
 } uag_linear_t;
 
 typedef struct {
@@ -59,7 +64,10 @@ typedef struct {
 } uag_scratch_t;
 
 static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y) {
-    if (l->kind == 5)
+    if (l->kind == 6)
+        uag_linear_x8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->block,
+                      l->affine, l->out, l->bias, y, l->out);
+    else if (l->kind == 5)
         uag_linear_q4(x, l->in, rows, l->in, (const uint8_t *)l->weight, l->scale, l->out, l->bias,
                       y, l->out);
     else if (l->kind == 2)

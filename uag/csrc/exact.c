@@ -1,0 +1,399 @@
+/* Block-quantised weights times fp32 activations through exact integers (AVX-512 VNNI, AMX).
+ *
+ * Why: skinny.c's block paths (b8, a8) widen every weight to fp32 and spend one multiply-add
+ * per weight and row, so a forward is bound by those instructions, not by the bytes: Gemma 3's
+ * body took ~8 ms for one row and ~13.5 ms for 8 on these 2 cores. Here the products are
+ * integer, 64 (vpdpbusd) or 1024 (an AMX tile multiply) per instruction, and exact:
+ *
+ *   - each activation row becomes integers on a power-of-two grid, x^ = round(x * 2^(30 - e))
+ *     with max|x| < 2^e: 31 bits, every value to within 2^-31 of the row's largest, split
+ *     into four bytes (x^ = 2^24 T + 2^16 D2 + 2^8 D1 + D0, D unsigned, T = x^ >> 24 in
+ *     -64..64 and stored as T + 64 so vpdpbusd's u8 x s8 products take every byte);
+ *   - the weight integers q of each block (int8: Q8_0 / Q5_0 de-quantised from GGUF, scale s
+ *     per block of 32; the k-quants' q with scale s, and base b where it is not a whole number
+ *     of steps, per block of 32 or 16) meet each byte in exact int32 sums P_d, and with
+ *     S = sum q the block's exact v = sum x^ q = 2^24 (P3 - 64 S) + 2^16 P2 + 2^8 P1 + P0 is
+ *     held as two exact int32 halves, hi = 2^8 (P3 - 64 S) + P2 and lo = 2^8 P1 + P0;
+ *   - each block meets its scale once, in float, block after block:
+ *     acc = fma(s, fma(hi, 2^16, lo), acc) (then acc = fma(b, sum x^, acc) for the affine
+ *     format, sum x^ as two exact floats), and y = acc * 2^(e - 30) + bias.
+ *
+ * Integer sums do not depend on their order, and the float steps after them are the same on
+ * every path, so AMX, AVX-512 VNNI and the scalar reference, and every row count, give the same
+ * bits: the row-count invariance lossless verification needs, by construction. Against the
+ * exact product the error is ~1-1.5 float roundings of sum |x| |w|, where fp32's multiply-add
+ * chain makes ~5 (tests/test_kernels.py measures both against float64).
+ *
+ * Layout: q as [N/16][K/4][16][4] (sixteen outputs' four consecutive weights side by side: one
+ * 64-byte load per quad for vpdpbusd, and a block's 8 (or 4) quads are one AMX B tile);
+ * params [N/16][K/B][16] scales, or [N/16][K/B][2][16] scales then bases (affine).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define XL 16     /* outputs per group: one 512-bit vector of int32 sums */
+#define XQ 4      /* consecutive inputs per output in one 32-bit lane */
+#define XAMX_ROWS 8 /* rows per AMX pass: 4 planes each, two tiles of 16 */
+#define XAMX_MIN_ROWS 1 /* from here AMX (else VNNI; the same bits either way) */
+#define XPREFETCH 4096 /* bytes ahead of a block's tile load that its lines are prefetched */
+#define XVNNI_ROWS 4 /* rows per VNNI pass: 4 x 4 int32 sums in registers */
+#define X8 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+/* Row x[0, K) -> its four bytes per value, block-major: digit d of input k at
+ * planes[(k / blk) * bstride + d * blk + k % blk] (a block's plane rows are contiguous, so a
+ * tile loads them at stride blk: planes at stride K put 32 rows of a 2048-wide row in two L1
+ * sets); the row's shift (x^ = round(x * 2^shift)); for the affine format, block b's exact
+ * sum of x^ as two floats (xsum[2b] + xsum[2b + 1], the second what the first missed).
+ * Returns 0 when the row is not finite (its outputs become NaN). */
+static int quantize(const float *x, int64_t K, uint8_t *planes, int64_t bstride, int64_t blk,
+                    float *xsum, int *shift) {
+    float top = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        if (!isfinite(x[k])) return 0;
+        top = fmaxf(top, fabsf(x[k]));
+    }
+    int e;
+    frexpf(top, &e); /* top < 2^e (top 0: e 0) */
+    *shift = 30 - e;
+    const double f = ldexp(1.0, *shift);
+    int64_t sum = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const int32_t v = (int32_t)nearbyint((double)x[k] * f); /* |v| <= 2^30 */
+        uint8_t *at = planes + (k / blk) * bstride + k % blk;
+        at[0] = (uint8_t)(v & 255);
+        at[blk] = (uint8_t)((v >> 8) & 255);
+        at[2 * blk] = (uint8_t)((v >> 16) & 255);
+        at[3 * blk] = (uint8_t)((v >> 24) + 64);
+        sum += v;
+        if (xsum && (k + 1) % blk == 0) { /* |sum| <= 2^35: two floats hold it exactly */
+            const float hi = (float)sum;
+            xsum[2 * (k / blk)] = hi;
+            xsum[2 * (k / blk) + 1] = (float)(sum - (int64_t)hi);
+            sum = 0;
+        }
+    }
+    return 1;
+}
+
+/* quantize's steps sixteen values at a time (AVX-512): x * 2^shift is exact in float
+ * (vscalefps), and its conversion rounds to nearest even, as nearbyint: the same integers. */
+static X8 int quantize512(const float *x, int64_t K, uint8_t *planes, int64_t bstride,
+                          int64_t blk, float *xsum, int *shift) {
+    __m512 top16 = _mm512_setzero_ps();
+    __mmask16 bad = 0; /* NaN or infinity (vmaxps would drop a NaN) */
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = _mm512_loadu_ps(x + k);
+        bad |= _mm512_fpclass_ps_mask(v, 0x99);
+        top16 = _mm512_max_ps(top16, _mm512_abs_ps(v));
+    }
+    if (bad) return 0;
+    const float top = _mm512_reduce_max_ps(top16);
+    int e;
+    frexpf(top, &e);
+    *shift = 30 - e;
+    const __m512 f = _mm512_set1_ps((float)*shift);
+    const __m512i off = _mm512_set1_epi32(64);
+    int64_t sum = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(x + k), f));
+        uint8_t *at = planes + (k / blk) * bstride + k % blk;
+        _mm_storeu_si128((__m128i *)at, _mm512_cvtepi32_epi8(v));
+        _mm_storeu_si128((__m128i *)(at + blk), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8)));
+        _mm_storeu_si128((__m128i *)(at + 2 * blk), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 16)));
+        _mm_storeu_si128((__m128i *)(at + 3 * blk),
+                         _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(v, 24), off)));
+        if (xsum) {
+            sum += _mm512_reduce_add_epi64(
+                _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                 _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+            if ((k + 16) % blk == 0) {
+                const float hi = (float)sum;
+                xsum[2 * (k / blk)] = hi;
+                xsum[2 * (k / blk) + 1] = (float)(sum - (int64_t)hi);
+                sum = 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* The scalar definition of every path: for rows' planes in one block (4 per row, stride
+ * ldp, from input k0) against one group's block (w: blk / 4 quads of 16 x 4): c[(4 i + d) * 16 + n] = P_d of
+ * row i, output n. */
+static void sums_ref(const uint8_t *planes, int64_t ldp, int mc, int64_t k0, const int8_t *w,
+                     int64_t blk, int32_t *c) {
+    for (int n = 0; n < XL; n++)
+        for (int r = 0; r < 4 * mc; r++) {
+            int32_t p = 0;
+            for (int64_t k = 0; k < blk; k++)
+                p += (int32_t)planes[r * ldp + k0 + k] * w[(k / XQ) * XL * XQ + n * XQ + k % XQ];
+            c[r * XL + n] = p;
+        }
+}
+
+/* S = the block's sum of q per output (the T + 64 plane's correction). */
+static void wsum_ref(const int8_t *w, int64_t blk, int32_t *s) {
+    for (int n = 0; n < XL; n++) {
+        int32_t t = 0;
+        for (int64_t k = 0; k < blk; k++) t += w[(k / XQ) * XL * XQ + n * XQ + k % XQ];
+        s[n] = t;
+    }
+}
+
+/* acc[i * 16 + n] += this block's value for row i, output n, from the sums c and S: the exact
+ * v as two int32 halves, hi = 2^8 (P3 - 64 S) + P2 and lo = 2^8 P1 + P0 (|hi| < 2^27,
+ * |lo| < 2^29), then in float: v~ = fma(hi, 2^16, lo), acc = fma(s, v~, acc), and for the
+ * affine format acc = fma(b, sum x^, acc), sum x^ as two floats, the larger first. */
+static void epilogue_ref(const int32_t *c, const int32_t *S, int mc, const float *sc,
+                         const float *base, const float *xsum, int64_t ldxs, float *acc) {
+    for (int i = 0; i < mc; i++)
+        for (int n = 0; n < XL; n++) {
+            const int32_t *p = c + 4 * i * XL + n;
+            const int32_t hi = (p[3 * XL] - 64 * S[n]) * 256 + p[2 * XL];
+            const int32_t lo = p[XL] * 256 + p[0];
+            const float v = fmaf((float)hi, 65536.0f, (float)lo);
+            float a = fmaf(sc[n], v, acc[i * XL + n]);
+            if (base) a = fmaf(base[n], xsum[i * ldxs + 1], fmaf(base[n], xsum[i * ldxs], a));
+            acc[i * XL + n] = a;
+        }
+}
+
+/* The same steps, sixteen outputs at a time: the same bits. */
+static inline X8 void epilogue512(const int32_t *c, const int32_t *S, int mc, const float *sc,
+                                  const float *base, const float *xsum, int64_t ldxs,
+                                  float *acc) {
+    const __m512i s64 = _mm512_slli_epi32(_mm512_loadu_si512(S), 6);
+    const __m512 vs = _mm512_loadu_ps(sc), step = _mm512_set1_ps(65536.0f);
+    const __m512 vb = base ? _mm512_loadu_ps(base) : _mm512_setzero_ps();
+    for (int i = 0; i < mc; i++) {
+        const int32_t *p = c + 4 * i * XL;
+        const __m512i hi = _mm512_add_epi32(
+            _mm512_slli_epi32(_mm512_sub_epi32(_mm512_loadu_si512(p + 3 * XL), s64), 8),
+            _mm512_loadu_si512(p + 2 * XL));
+        const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(p + XL), 8),
+                                            _mm512_loadu_si512(p));
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), step, _mm512_cvtepi32_ps(lo));
+        __m512 a = _mm512_fmadd_ps(vs, v, _mm512_loadu_ps(acc + i * XL));
+        if (base)
+            a = _mm512_fmadd_ps(vb, _mm512_set1_ps(xsum[i * ldxs + 1]),
+                                _mm512_fmadd_ps(vb, _mm512_set1_ps(xsum[i * ldxs]), a));
+        _mm512_storeu_ps(acc + i * XL, a);
+    }
+}
+
+/* S by vpdpbusd against ones: the same integers as wsum_ref. */
+static inline X8 void wsum512(const int8_t *w, int64_t blk, int32_t *S) {
+    __m512i s = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t q = 0; q < blk / XQ; q++)
+        s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(w + q * XL * XQ));
+    _mm512_storeu_si512(S, s);
+}
+
+/* VNNI: mb (<= 4, a constant after inlining) rows' planes against one group's block. */
+static inline X8 __attribute__((always_inline)) void sums_vnni(
+    const uint8_t *planes, int64_t ldp, const int mb, int64_t k0, const int8_t *w, int64_t blk,
+    int32_t *c) {
+    __m512i acc[XVNNI_ROWS * 4];
+    _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) acc[r] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < blk / XQ; q++) {
+        const __m512i wv = _mm512_loadu_si512(w + q * XL * XQ);
+        _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) {
+            int32_t four;
+            memcpy(&four, planes + r * ldp + k0 + q * XQ, sizeof four);
+            acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), wv);
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) _mm512_storeu_si512(c + r * XL, acc[r]);
+}
+
+static X8 void sums_vnni_rows(const uint8_t *planes, int64_t ldp, int mc, int64_t k0,
+                              const int8_t *w, int64_t blk, int32_t *c) {
+    for (int i = 0; i < mc; i += XVNNI_ROWS) {
+        const uint8_t *p = planes + 4 * i * ldp;
+        int32_t *ci = c + 4 * i * XL;
+        switch (mc - i < XVNNI_ROWS ? mc - i : XVNNI_ROWS) {
+            case 1: sums_vnni(p, ldp, 1, k0, w, blk, ci); break;
+            case 2: sums_vnni(p, ldp, 2, k0, w, blk, ci); break;
+            case 3: sums_vnni(p, ldp, 3, k0, w, blk, ci); break;
+            default: sums_vnni(p, ldp, 4, k0, w, blk, ci); break;
+        }
+    }
+}
+
+#if HAVE_AMX
+#define XAMX __attribute__((target("amx-tile,amx-int8,avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) xamx_config;
+
+/* Tiles for R = 4 mc <= 32 plane rows, two sets so one block's products run while the
+ * previous block's sums are read: C tiles 0-1 (set 0) and 2-3 (set 1) hold rows 0-15 and
+ * 16-31, A tiles 4-5 the planes, B tiles 6 (set 0) and 7 (set 1) one block's quads (blk / 4
+ * rows of 16 outputs x 4 bytes). */
+static XAMX void xamx_configure(int R, int64_t blk) {
+    xamx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2 && 16 * t < R; t++) {
+        const int rows = R - 16 * t < 16 ? R - 16 * t : 16;
+        c.rows[t] = c.rows[2 + t] = (uint8_t)rows;
+        c.colsb[t] = c.colsb[2 + t] = XL * 4;
+        c.rows[4 + t] = (uint8_t)rows, c.colsb[4 + t] = (uint16_t)blk;
+    }
+    c.rows[6] = c.rows[7] = (uint8_t)(blk / XQ);
+    c.colsb[6] = c.colsb[7] = XL * XQ;
+    __asm__ __volatile__("" : : "r"(&c) : "memory"); /* keep the stores (ldtilecfg reads them) */
+    _tile_loadconfig(&c);
+}
+
+/* One group's blocks for one pass of mc rows (R = 4 mc plane rows from planes, block b's at
+ * planes + b * bstride, stride blk):
+ * block b's tile products are issued before block b - 1's sums are stored and read, so the
+ * tile unit and the epilogue overlap. */
+static XAMX void pass_amx(const uint8_t *planes, int64_t bstride, int R, int rows, const int8_t *wg,
+                          const float *pg, int64_t KB, int64_t blk, int64_t np,
+                          const float *xsum, int64_t ldxs, int32_t *c, float *acc) {
+    int32_t S[XL];
+    const int two = R > 16;
+#define XAMX_ISSUE(CT0, CT1, BT)                                                                   \
+    do {                                                                                           \
+        _tile_loadd(BT, wb, XL * XQ);                                                              \
+        _tile_loadd(4, planes + b * bstride, blk);                                                 \
+        _tile_dpbusd(CT0, 4, BT);                                                                  \
+        if (two) {                                                                                 \
+            _tile_loadd(5, planes + b * bstride + 16 * blk, blk);                                  \
+            _tile_dpbusd(CT1, 5, BT);                                                              \
+        }                                                                                          \
+    } while (0)
+#define XAMX_COLLECT(CT0, CT1)                                                                     \
+    do {                                                                                           \
+        _tile_stored(CT0, c, XL * 4);                                                              \
+        _tile_zero(CT0);                                                                           \
+        if (two) {                                                                                 \
+            _tile_stored(CT1, c + 16 * XL, XL * 4);                                                \
+            _tile_zero(CT1);                                                                       \
+        }                                                                                          \
+    } while (0)
+    _tile_zero(0);
+    _tile_zero(2);
+    if (two) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t b = 0; b <= KB; b++) {
+        if (b < KB) {
+            const int8_t *wb = wg + b * blk * XL;
+            for (int64_t l = 0; l < blk * XL; l += 64) /* the block's lines, XPREFETCH ahead */
+                _mm_prefetch((const char *)(wb + XPREFETCH + l), _MM_HINT_T0);
+            if (b & 1) XAMX_ISSUE(2, 3, 7);
+            else XAMX_ISSUE(0, 1, 6);
+        }
+        if (b > 0) {
+            const int64_t a = b - 1;
+            if (a & 1) XAMX_COLLECT(2, 3);
+            else XAMX_COLLECT(0, 1);
+            wsum512(wg + a * blk * XL, blk, S);
+            const float *sc = pg + a * np * XL;
+            epilogue512(c, S, rows, sc, np > 1 ? sc + XL : NULL, xsum ? xsum + 2 * a : NULL, ldxs,
+                        acc);
+        }
+    }
+#undef XAMX_ISSUE
+#undef XAMX_COLLECT
+}
+static XAMX void xamx_release(void) { _tile_release(); }
+#endif
+
+/* 2: AMX, 1: AVX-512 VNNI, 0: the scalar reference, for a call of M rows. */
+static int x8_path(int64_t M) {
+    if (HAVE_AMX && M >= XAMX_MIN_ROWS && uag_use_amx()) return 2;
+    return uag_use_avx512vnni() ? 1 : 0;
+}
+
+/* 1 where the fast paths (AVX-512 VNNI, AMX) exist here: where uag stores body weights for this
+ * kernel (elsewhere skinny.c's block paths, whose fp32 products are as exact). */
+int64_t uag_x8_available(void) { return uag_use_avx512vnni(); }
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the block weights (layout above;
+ * blk 32 or 16; affine: params hold bases too) + bias. N a multiple of 16, K of blk. */
+void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
+                   const float *params, int64_t blk, int64_t affine, int64_t N,
+                   const float *bias, float *y, int64_t ldy) {
+    const int path = x8_path(M);
+    const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1;
+    /* AMX: passes of mc rows (the last padded with zero planes: one tile shape for all) */
+    const int64_t passes = path == 2 ? (M + XAMX_ROWS - 1) / XAMX_ROWS : 1;
+    const int mc = (int)((M + passes - 1) / passes), R = 4 * mc;
+    const int64_t bstride = passes * R * blk; /* bytes per block of every row's planes */
+    uint8_t *planes = (uint8_t *)calloc((size_t)(KB * bstride), 1);
+    float *xsum = affine ? (float *)calloc((size_t)(M * KB * 2), sizeof(float)) : NULL;
+    float *unit = (float *)malloc(sizeof(float) * (size_t)M); /* 2^-shift; NaN: not finite */
+    for (int64_t m = 0; m < M; m++) {
+        int shift = 0;
+        float *xs = affine ? xsum + m * KB * 2 : NULL;
+        const int ok = path ? quantize512(x + m * ldx, K, planes + 4 * m * blk, bstride, blk, xs, &shift)
+                            : quantize(x + m * ldx, K, planes + 4 * m * blk, bstride, blk, xs, &shift);
+        unit[m] = ok ? ldexpf(1.0f, -shift) : NAN;
+    }
+#pragma omp parallel
+    {
+        int32_t *c = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)(R + 1) * XL);
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(passes * mc) * XL);
+#if HAVE_AMX
+        if (path == 2) xamx_configure(R, blk);
+#endif
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            memset(acc, 0, sizeof(float) * (size_t)(passes * mc) * XL);
+            const int8_t *wg = w + g * K * XL;
+            const float *pg = params + g * KB * np * XL;
+            for (int64_t p = 0; p < passes; p++) {
+                const uint8_t *pp = planes + p * R * blk;
+                const int rows = (int)(M - p * mc < mc ? M - p * mc : mc);
+                const float *xs = affine ? xsum + p * mc * KB * 2 : NULL;
+                float *ap = acc + p * mc * XL;
+#if HAVE_AMX
+                if (path == 2) {
+                    pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, xs, KB * 2, c, ap);
+                    continue;
+                }
+#endif
+                for (int64_t b = 0; b < KB; b++) {
+                    const int8_t *wb = wg + b * blk * XL;
+                    const float *sc = pg + b * np * XL, *base = affine ? sc + XL : NULL;
+                    int32_t *S = c + R * XL;
+                    if (path == 1) {
+                        sums_vnni_rows(pp + b * bstride, blk, rows, 0, wb, blk, c);
+                        wsum512(wb, blk, S);
+                        epilogue512(c, S, rows, sc, base, xs ? xs + 2 * b : NULL, KB * 2, ap);
+                    } else {
+                        sums_ref(pp + b * bstride, blk, rows, 0, wb, blk, c);
+                        wsum_ref(wb, blk, S);
+                        epilogue_ref(c, S, rows, sc, base, xs ? xs + 2 * b : NULL, KB * 2, ap);
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int n = 0; n < XL; n++) {
+                    const int64_t o = g * XL + n;
+                    float v = acc[m * XL + n] * unit[m];
+                    if (bias) v += bias[o];
+                    y[m * ldy + o] = v;
+                }
+        }
+#if HAVE_AMX
+        if (path == 2) xamx_release();
+#endif
+        free(c);
+        free(acc);
+    }
+    free(planes), free(xsum), free(unit);
+}
