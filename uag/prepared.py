@@ -221,7 +221,7 @@ def _build(ref: str, role: str, tokenizer: Any) -> Prepared | None:
         fast = lm._greedy.fast if lm._greedy is not None else None
         if not isinstance(fast, ScreenedHead) or fast.exact is None:
             return None  # the fp32 head would be written out whole
-        head: nn.Module = fast.full_head()
+        head: nn.Module = fast.exact  # what the screened head's exact step reads
     else:
         if role == "assistant-int8":
             model = quantize_int8(model, backend="native")
