@@ -45,7 +45,6 @@ controller's confidence features are computed from.
 from __future__ import annotations
 
 import copy
-
 from typing import Any
 
 import torch

@@ -38,7 +38,8 @@
 
 #define XL 16     /* outputs per group: one 512-bit vector of int32 sums */
 #define XQ 4      /* consecutive inputs per output in one 32-bit lane */
-#define XAMX_ROWS 8 /* rows per AMX pass: 4 planes each, two tiles of 16 */
+#define XAMX_ROWS 8 /* rows per AMX pass with two tile sets: 4 planes each, two tiles of 16 */
+#define XAMX_WIDE 12 /* rows per pass beyond that, one tile set of three (a 9-row verify) */
 #define XAMX_MIN_ROWS 1 /* from here AMX (else VNNI; the same bits either way) */
 #define XPREFETCH 4096 /* bytes ahead of a block's tile load that its lines are prefetched */
 #define XVNNI_ROWS 4 /* rows per VNNI pass: 4 x 4 int32 sums in registers */
@@ -242,6 +243,17 @@ static XAMX void xamx_configure(int R, int64_t blk) {
     xamx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
+    if (R > 32) { /* one set: C tiles 0-2, A tiles 3-5, B tile 6 */
+        for (int t = 0; t < 3; t++) {
+            const int rows = R - 16 * t < 16 ? R - 16 * t : 16;
+            c.rows[t] = c.rows[3 + t] = (uint8_t)rows;
+            c.colsb[t] = XL * 4, c.colsb[3 + t] = (uint16_t)blk;
+        }
+        c.rows[6] = (uint8_t)(blk / XQ), c.colsb[6] = XL * XQ;
+        __asm__ __volatile__("" : : "r"(&c) : "memory");
+        _tile_loadconfig(&c);
+        return;
+    }
     for (int t = 0; t < 2 && 16 * t < R; t++) {
         const int rows = R - 16 * t < 16 ? R - 16 * t : 16;
         c.rows[t] = c.rows[2 + t] = (uint8_t)rows;
@@ -309,6 +321,37 @@ static XAMX void pass_amx(const uint8_t *planes, int64_t bstride, int R, int row
 #undef XAMX_ISSUE
 #undef XAMX_COLLECT
 }
+/* pass_amx for 33-48 plane rows (9-12 rows): one set of three tiles, each block's products,
+ * then its sums (no overlap between them: such verifies are rare). */
+static XAMX void pass_amx_wide(const uint8_t *planes, int64_t bstride, int rows,
+                               const int8_t *wg, const float *pg, int64_t KB, int64_t blk,
+                               int64_t np, const float *xsum, int64_t ldxs, int32_t *c,
+                               float *acc) {
+    int32_t S[XL];
+    for (int64_t b = 0; b < KB; b++) {
+        const int8_t *wb = wg + b * blk * XL;
+        for (int64_t l = 0; l < blk * XL; l += 64)
+            _mm_prefetch((const char *)(wb + XPREFETCH + l), _MM_HINT_T0);
+        const uint8_t *pb = planes + b * bstride;
+        _tile_loadd(6, wb, XL * XQ);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_loadd(3, pb, blk);
+        _tile_dpbusd(0, 3, 6);
+        _tile_loadd(4, pb + 16 * blk, blk);
+        _tile_dpbusd(1, 4, 6);
+        _tile_loadd(5, pb + 32 * blk, blk);
+        _tile_dpbusd(2, 5, 6);
+        wsum512(wb, blk, S);
+        _tile_stored(0, c, XL * 4);
+        _tile_stored(1, c + 16 * XL, XL * 4);
+        _tile_stored(2, c + 32 * XL, XL * 4);
+        const float *sc = pg + b * np * XL;
+        epilogue512(c, S, rows, sc, np > 1 ? sc + XL : NULL, xsum ? xsum + 2 * b : NULL, ldxs,
+                    acc);
+    }
+}
 static XAMX void xamx_release(void) { _tile_release(); }
 #endif
 
@@ -330,7 +373,8 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     const int path = x8_path(M);
     const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1;
     /* AMX: passes of mc rows (the last padded with zero planes: one tile shape for all) */
-    const int64_t passes = path == 2 ? (M + XAMX_ROWS - 1) / XAMX_ROWS : 1;
+    const int64_t per = M <= XAMX_ROWS ? XAMX_ROWS : XAMX_WIDE;
+    const int64_t passes = path == 2 ? (M + per - 1) / per : 1;
     const int mc = (int)((M + passes - 1) / passes), R = 4 * mc;
     const int64_t bstride = passes * R * blk; /* bytes per block of every row's planes */
     uint8_t *planes = (uint8_t *)calloc((size_t)(KB * bstride), 1);
@@ -362,7 +406,8 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                 float *ap = acc + p * mc * XL;
 #if HAVE_AMX
                 if (path == 2) {
-                    pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, xs, KB * 2, c, ap);
+                    if (R > 32) pass_amx_wide(pp, bstride, rows, wg, pg, KB, blk, np, xs, KB * 2, c, ap);
+                    else pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, xs, KB * 2, c, ap);
                     continue;
                 }
 #endif
