@@ -176,57 +176,121 @@ static inline void dot4(const float *q, const float *k0, const float *k1, const 
 }
 
 #define PV_CHUNK 64 /* output values per pass over the keys' weights: 8 accumulators */
+#define SHARE 4       /* query heads of one kv head attended together (see attention) */
+#define SHARE_CHUNK 16 /* their output values per pass: 4 heads x 2 accumulators */
 
-/* Row i (position start + i) of every query head over the keys it may see. Each output value is
- * one chain of multiply-adds over the keys in order (o = p_j * v_j + o, from 0), whatever the
- * chunking: row-count invariant, and the same bits as a plain loop over keys then values. */
+/* Softmax of score[lo..pos] in place, after scaling: the max, then exp(s - max) and their sum
+ * in order, then each divided by it. */
+static inline void softmax_row(float *score, int64_t lo, int64_t pos, float scaling) {
+    float top = -INFINITY;
+    for (int64_t j = lo; j <= pos; j++) {
+        score[j] = score[j] * scaling;
+        if (score[j] > top) top = score[j];
+    }
+    float total = 0.0f;
+    for (int64_t j = lo; j <= pos; j++) {
+        score[j] = expf(score[j] - top);
+        total += score[j];
+    }
+    for (int64_t j = lo; j <= pos; j++) score[j] = score[j] / total;
+}
+
+/* One query head at row position pos over keys lo..pos: scores, softmax, and o = sum_j p_j v_j,
+ * each output value one chain of multiply-adds over the keys in order (from 0). */
+static void attend_one(const float *q, const float *K, const float *V, int64_t d, int64_t lo,
+                       int64_t pos, float scaling, float *score, float *o) {
+    int64_t j = lo;
+    for (; j + 4 <= pos + 1; j += 4)
+        dot4(q, K + j * d, K + (j + 1) * d, K + (j + 2) * d, K + (j + 3) * d, d, score + j);
+    for (; j <= pos; j++) score[j] = dot(q, K + j * d, d);
+    softmax_row(score, lo, pos, scaling);
+    int64_t c = 0;
+    for (; c + PV_CHUNK <= d; c += PV_CHUNK) {
+        __m256 acc[PV_CHUNK / 8];
+        for (int v = 0; v < PV_CHUNK / 8; v++) acc[v] = _mm256_setzero_ps();
+        for (j = lo; j <= pos; j++) {
+            const __m256 p = _mm256_set1_ps(score[j]);
+            const float *vj = V + j * d + c;
+            for (int v = 0; v < PV_CHUNK / 8; v++)
+                acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+        }
+        for (int v = 0; v < PV_CHUNK / 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
+    }
+    for (; c < d; c++) {
+        float acc = 0.0f;
+        for (j = lo; j <= pos; j++) acc = fmaf(score[j], V[j * d + c], acc);
+        o[c] = acc;
+    }
+}
+
+/* attend_one for SHARE query heads of one kv head (q at stride d, o at stride d, scores at
+ * stride sstride): each key's and value's bytes are loaded once for all of them, and every
+ * head's chains (dot()'s per score, one per output value) are attend_one's in the same order,
+ * so the same bits. Why: a verify's rows x heads re-read the layer's keys and values from L2
+ * once per head; Gemma's four query heads share one kv head. d a multiple of SHARE_CHUNK. */
+static void attend_shared(const float *q, const float *K, const float *V, int64_t d, int64_t lo,
+                          int64_t pos, float scaling, float *score, int64_t sstride, float *o) {
+    for (int64_t j = lo; j <= pos; j++) {
+        const float *k = K + j * d;
+        __m256 a[SHARE];
+        for (int g = 0; g < SHARE; g++) a[g] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const __m256 kv = _mm256_loadu_ps(k + i);
+            for (int g = 0; g < SHARE; g++)
+                a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, a[g]);
+        }
+        for (int g = 0; g < SHARE; g++) {
+            float sg = hsum8(a[g]);
+            for (int64_t t = i; t < d; t++) sg = fmaf(q[g * d + t], k[t], sg);
+            score[g * sstride + j] = sg;
+        }
+    }
+    for (int g = 0; g < SHARE; g++) softmax_row(score + g * sstride, lo, pos, scaling);
+    for (int64_t c = 0; c < d; c += SHARE_CHUNK) {
+        __m256 acc[SHARE][SHARE_CHUNK / 8];
+        for (int g = 0; g < SHARE; g++)
+            for (int v = 0; v < SHARE_CHUNK / 8; v++) acc[g][v] = _mm256_setzero_ps();
+        for (int64_t j = lo; j <= pos; j++) {
+            const float *vj = V + j * d + c;
+            __m256 vv[SHARE_CHUNK / 8];
+            for (int v = 0; v < SHARE_CHUNK / 8; v++) vv[v] = _mm256_loadu_ps(vj + 8 * v);
+            for (int g = 0; g < SHARE; g++) {
+                const __m256 p = _mm256_set1_ps(score[g * sstride + j]);
+                for (int v = 0; v < SHARE_CHUNK / 8; v++)
+                    acc[g][v] = _mm256_fmadd_ps(p, vv[v], acc[g][v]);
+            }
+        }
+        for (int g = 0; g < SHARE; g++)
+            for (int v = 0; v < SHARE_CHUNK / 8; v++)
+                _mm256_storeu_ps(o + g * d + c + 8 * v, acc[g][v]);
+    }
+}
+
+/* Row i (position start + i) of every query head over the keys it may see, row-count
+ * invariant: every head's results are attend_one's bits however the work is split. With
+ * several rows and SHARE query heads per kv head (Gemma 3), a task is a row's SHARE heads
+ * (attend_shared); otherwise, and for one row (both cores then take heads), a task is one head. */
 static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int64_t start,
                       const float *keys, const float *values, int64_t capacity, float *out) {
     const int64_t d = L->head_dim, groups = L->heads / L->kv_heads;
     const int64_t width = (L->heads + 2 * L->kv_heads) * d;
+    const int shared = rows > 1 && groups == SHARE && d % SHARE_CHUNK == 0 && d % 8 == 0;
+    const int64_t per = shared ? SHARE : 1, tasks = rows * L->heads / per;
+    const int64_t sstride = start + rows + 4;
 #pragma omp parallel
     {
-        float *score = (float *)malloc(sizeof(float) * (size_t)(start + rows + 4));
+        float *score = (float *)malloc(sizeof(float) * (size_t)(per * sstride));
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < rows * L->heads; t++) {
-            const int64_t i = t / L->heads, h = t % L->heads, kv = h / groups;
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t i = t * per / L->heads, h = t * per % L->heads, kv = h / groups;
             const int64_t pos = start + i;
             const int64_t lo = (L->window > 0 && pos - L->window + 1 > 0) ? pos - L->window + 1 : 0;
             const float *q = qkv + i * width + h * d;
             const float *K = keys + kv * capacity * d, *V = values + kv * capacity * d;
-            int64_t j = lo;
-            for (; j + 4 <= pos + 1; j += 4)
-                dot4(q, K + j * d, K + (j + 1) * d, K + (j + 2) * d, K + (j + 3) * d, d, score + j);
-            for (; j <= pos; j++) score[j] = dot(q, K + j * d, d);
-            float top = -INFINITY;
-            for (j = lo; j <= pos; j++) {
-                score[j] = score[j] * L->scaling;
-                if (score[j] > top) top = score[j];
-            }
-            float total = 0.0f;
-            for (j = lo; j <= pos; j++) {
-                score[j] = expf(score[j] - top);
-                total += score[j];
-            }
-            for (j = lo; j <= pos; j++) score[j] = score[j] / total;
             float *o = out + i * L->heads * d + h * d;
-            int64_t c = 0;
-            for (; c + PV_CHUNK <= d; c += PV_CHUNK) {
-                __m256 acc[PV_CHUNK / 8];
-                for (int v = 0; v < PV_CHUNK / 8; v++) acc[v] = _mm256_setzero_ps();
-                for (j = lo; j <= pos; j++) {
-                    const __m256 p = _mm256_set1_ps(score[j]);
-                    const float *vj = V + j * d + c;
-                    for (int v = 0; v < PV_CHUNK / 8; v++)
-                        acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * v), acc[v]);
-                }
-                for (int v = 0; v < PV_CHUNK / 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
-            }
-            for (; c < d; c++) {
-                float acc = 0.0f;
-                for (j = lo; j <= pos; j++) acc = fmaf(score[j], V[j * d + c], acc);
-                o[c] = acc;
-            }
+            if (shared) attend_shared(q, K, V, d, lo, pos, L->scaling, score, sstride, o);
+            else attend_one(q, K, V, d, lo, pos, L->scaling, score, o);
         }
         free(score);
     }
