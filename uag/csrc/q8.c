@@ -272,15 +272,10 @@ int64_t uag_set_avx512vnni(int64_t want) {
  * the weights. K must be a multiple of 64 (other shapes take the other paths). */
 #define AMX_ATTR __attribute__((target("amx-tile,amx-int8")))
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config;
 
 /* Configure this thread's tiles for mb rows. */
 static AMX_ATTR void amx_configure(int mb) {
-    amx_config c;
+    uag_amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < AMX_VECTORS; t++) c.rows[t] = (uint8_t)mb, c.colsb[t] = LANES * 4;

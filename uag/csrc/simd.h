@@ -18,6 +18,16 @@
 #define HAVE_AMX 0
 #endif
 
+#if HAVE_AMX
+#include <stdint.h>
+/* What ldtilecfg reads (palette 1): each tile's bytes per row and rows. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) uag_amx_config;
+#endif
+
 int uag_use_vnni(void);       /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
 int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI (F, BW, VL) */
 int uag_use_amx(void);        /* q8.c: AMX-INT8, and the kernel grants the tile state */
