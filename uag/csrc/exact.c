@@ -123,16 +123,15 @@ static X8 int quantize512(const float *x, int64_t K, uint8_t *planes, int64_t bs
     return 1;
 }
 
-/* The scalar definition of every path: for rows' planes in one block (4 per row, stride
- * ldp, from input k0) against one group's block (w: blk / 4 quads of 16 x 4): c[(4 i + d) * 16 + n] = P_d of
- * row i, output n. */
-static void sums_ref(const uint8_t *planes, int64_t ldp, int mc, int64_t k0, const int8_t *w,
-                     int64_t blk, int32_t *c) {
+/* The scalar definition of every path: one block's planes of mc rows (4 per row, blk bytes
+ * each, as quantize lays them out) against one group's block (w: blk / 4 quads of 16 x 4):
+ * c[(4 i + d) * 16 + n] = P_d of row i, output n. */
+static void sums_ref(const uint8_t *planes, int mc, const int8_t *w, int64_t blk, int32_t *c) {
     for (int n = 0; n < XL; n++)
         for (int r = 0; r < 4 * mc; r++) {
             int32_t p = 0;
             for (int64_t k = 0; k < blk; k++)
-                p += (int32_t)planes[r * ldp + k0 + k] * w[(k / XQ) * XL * XQ + n * XQ + k % XQ];
+                p += (int32_t)planes[r * blk + k] * w[(k / XQ) * XL * XQ + n * XQ + k % XQ];
             c[r * XL + n] = p;
         }
 }
@@ -198,31 +197,30 @@ static inline X8 void wsum512(const int8_t *w, int64_t blk, int32_t *S) {
 
 /* VNNI: mb (<= 4, a constant after inlining) rows' planes against one group's block. */
 static inline X8 __attribute__((always_inline)) void sums_vnni(
-    const uint8_t *planes, int64_t ldp, const int mb, int64_t k0, const int8_t *w, int64_t blk,
-    int32_t *c) {
+    const uint8_t *planes, const int mb, const int8_t *w, int64_t blk, int32_t *c) {
     __m512i acc[XVNNI_ROWS * 4];
     _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) acc[r] = _mm512_setzero_si512();
     for (int64_t q = 0; q < blk / XQ; q++) {
         const __m512i wv = _mm512_loadu_si512(w + q * XL * XQ);
         _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) {
             int32_t four;
-            memcpy(&four, planes + r * ldp + k0 + q * XQ, sizeof four);
+            memcpy(&four, planes + r * blk + q * XQ, sizeof four);
             acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), wv);
         }
     }
     _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) _mm512_storeu_si512(c + r * XL, acc[r]);
 }
 
-static X8 void sums_vnni_rows(const uint8_t *planes, int64_t ldp, int mc, int64_t k0,
-                              const int8_t *w, int64_t blk, int32_t *c) {
+static X8 void sums_vnni_rows(const uint8_t *planes, int mc, const int8_t *w, int64_t blk,
+                              int32_t *c) {
     for (int i = 0; i < mc; i += XVNNI_ROWS) {
-        const uint8_t *p = planes + 4 * i * ldp;
+        const uint8_t *p = planes + 4 * i * blk;
         int32_t *ci = c + 4 * i * XL;
         switch (mc - i < XVNNI_ROWS ? mc - i : XVNNI_ROWS) {
-            case 1: sums_vnni(p, ldp, 1, k0, w, blk, ci); break;
-            case 2: sums_vnni(p, ldp, 2, k0, w, blk, ci); break;
-            case 3: sums_vnni(p, ldp, 3, k0, w, blk, ci); break;
-            default: sums_vnni(p, ldp, 4, k0, w, blk, ci); break;
+            case 1: sums_vnni(p, 1, w, blk, ci); break;
+            case 2: sums_vnni(p, 2, w, blk, ci); break;
+            case 3: sums_vnni(p, 3, w, blk, ci); break;
+            default: sums_vnni(p, 4, w, blk, ci); break;
         }
     }
 }
@@ -411,11 +409,11 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                     const float *sc = pg + b * np * XL, *base = affine ? sc + XL : NULL;
                     int32_t *S = c + R * XL;
                     if (path == 1) {
-                        sums_vnni_rows(pp + b * bstride, blk, rows, 0, wb, blk, c);
+                        sums_vnni_rows(pp + b * bstride, rows, wb, blk, c);
                         wsum512(wb, blk, S);
                         epilogue512(c, S, rows, sc, base, xs ? xs + 2 * b : NULL, KB * 2, ap);
                     } else {
-                        sums_ref(pp + b * bstride, blk, rows, 0, wb, blk, c);
+                        sums_ref(pp + b * bstride, rows, wb, blk, c);
                         wsum_ref(wb, blk, S);
                         epilogue_ref(c, S, rows, sc, base, xs ? xs + 2 * b : NULL, KB * 2, ap);
                     }

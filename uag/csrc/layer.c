@@ -275,7 +275,7 @@ static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int6
                       const float *keys, const float *values, int64_t capacity, float *out) {
     const int64_t d = L->head_dim, groups = L->heads / L->kv_heads;
     const int64_t width = (L->heads + 2 * L->kv_heads) * d;
-    const int shared = rows > 1 && groups == SHARE && d % SHARE_CHUNK == 0 && d % 8 == 0;
+    const int shared = rows > 1 && groups == SHARE && d % SHARE_CHUNK == 0;
     const int64_t per = shared ? SHARE : 1, tasks = rows * L->heads / per;
     const int64_t sstride = start + rows + 4;
 #pragma omp parallel
