@@ -33,6 +33,7 @@ plain kernels instead, which the tests also cover.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import hashlib
@@ -172,6 +173,13 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(err)
     problem = _self_test(lib)
     return (None, problem) if problem else (lib, None)
+
+
+def integer_products() -> bool:
+    """Whether ``exact.c`` runs fast here (AVX-512 VNNI): where decoder bodies and sampling's
+    full head hold its layout (``NativeLinear.to_integer``)."""
+    lib = _library()[0]
+    return bool(lib is not None and lib.uag_x8_available())
 
 
 def native_unavailable() -> str | None:
@@ -674,16 +682,39 @@ class NativeLinear(nn.Module):
     def to_integer(self) -> bool:
         """Move exact block storage to ``exact.c`` (exact integer products: a verify's extra
         rows cost a fraction of the fp32 multiply-adds) where this CPU runs it fast (AVX-512
-        VNNI); True when moved. The block form is read off the stored blocks: Q8_0 / Q5_0's
-        int8 blocks of 32; for the affine blocks of 16, a base that is a whole number of steps
-        (Q6_K) folds into the integers, and two neighbours sharing scale and base (Q4_K) make
-        one block of 32, so fewer blocks each meet their scale. Layers whose integers do not
-        fit int8, or whose widths do not fit the layout, stay where they are."""
-        if not self.blocked or self.integer or self.lib is None or not self.lib.uag_x8_available():
+        VNNI); True when moved. Layers whose integers do not fit int8, or whose widths do not
+        fit the layout, stay where they are."""
+        layout = self._integer_layout()
+        if layout is None:
             return False
+        self.weight_ilv, self.block_scales, self.x8_block, self.x8_affine = layout
+        self.integer = True
+        return True
+
+    def integer_copy(self) -> NativeLinear | None:
+        """A new layer holding this one's exact blocks in ``exact.c``'s layout (this one
+        unchanged), or None where ``to_integer`` would not move them: built straight from the
+        blocks, without first copying them whole (a deep copy of Gemma's head: +189 MB)."""
+        layout = self._integer_layout()
+        if layout is None:
+            return None
+        twin = copy.copy(self)  # shares the small tensors; its own table of buffers:
+        twin._buffers = dict(self._buffers)
+        twin.weight_ilv, twin.block_scales, twin.x8_block, twin.x8_affine = layout
+        twin.integer = True
+        return twin
+
+    def _integer_layout(self) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
+        """``(weight, block parameters, block width, affine)`` in ``exact.c``'s layout, or None.
+        The block form is read off the stored blocks: Q8_0 / Q5_0's int8 blocks of 32; for the
+        affine blocks of 16, a base that is a whole number of steps (Q6_K) folds into the
+        integers, and two neighbours sharing scale and base (Q4_K) make one block of 32, so
+        fewer blocks each meet their scale."""
+        if not self.blocked or self.integer or self.lib is None or not self.lib.uag_x8_available():
+            return None
         n, k = self.padded_out, self.in_features
         if n % X8_GROUP or n != self.out_features:
-            return False
+            return None
         tiles = self.weight_ilv.shape[0]
         q = self.weight_ilv.reshape(tiles, k, BLOCK_ROWS).permute(0, 2, 1).reshape(n, k)
         if self.exact_format == "block_int8":
@@ -719,19 +750,14 @@ class NativeLinear(nn.Module):
                     ints16[:, :, 1] += shift.to(torch.int32)[..., None]
                     scale, base, block = step, b2[..., 0], BLOCK_K
             if ints16.min() < -128 or ints16.max() > 127:
-                return False
+                return None
             ints = ints16.reshape(n, k).to(torch.int8)
             scales = torch.stack([scale, base], dim=-1) if affine else scale[..., None]
             scales = scales.float()
         groups = n // X8_GROUP
-        self.weight_ilv = (
-            ints.view(groups, X8_GROUP, k // X8_QUAD, X8_QUAD).permute(0, 2, 1, 3).contiguous()
-        )
-        self.block_scales = (
-            scales.reshape(groups, X8_GROUP, k // block, -1).permute(0, 2, 3, 1).contiguous()
-        )
-        self.integer, self.x8_block, self.x8_affine = True, block, affine
-        return True
+        weight = ints.view(groups, X8_GROUP, k // X8_QUAD, X8_QUAD).permute(0, 2, 1, 3)
+        params = scales.reshape(groups, X8_GROUP, k // block, -1).permute(0, 2, 3, 1)
+        return weight.contiguous(), params.contiguous(), block, affine
 
     def to_fp32(self) -> None:
         """Hold the weight as fp32 again (fusing with an fp32 part; same results)."""

@@ -93,19 +93,13 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _integer_products() -> bool:
-    """Whether this CPU runs ``exact.c`` (prepared bodies then hold its layout)."""
-    from uag.native import _library
-
-    lib = _library()[0]
-    return bool(lib is not None and lib.uag_x8_available())
-
-
 def _key(directory: Path, role: str) -> str:
+    from uag.native import integer_products
+
     digest = hashlib.sha256()
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     digest.update(f"{FORMAT}|{role}|{torch.__version__}|{version}|{_source_digest()}".encode())
-    digest.update(f"|integer:{_integer_products()}".encode())  # the body's layout depends on it
+    digest.update(f"|integer:{integer_products()}".encode())  # the body's layout depends on it
     for path in sorted(directory.iterdir()):
         if path.is_file() and _CHECKPOINT_FILES.match(path.name):
             stat = path.stat()

@@ -44,7 +44,6 @@ controller's confidence features are computed from.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -190,14 +189,12 @@ class ScreenedHead(nn.Module):
         if self._full is not None:
             return self._full
         if self.exact is not None:
-            integer = copy.deepcopy(self.exact)
-            self._full = integer if integer.to_integer() else self.exact
+            self._full = self.exact.integer_copy() or self.exact
             return self._full
-        if self._full is None:
-            assert self.weight is not None
-            part = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-            part.weight = nn.Parameter(self.weight, requires_grad=False)
-            self._full = NativeLinear(part, exact_blocks=False)
+        assert self.weight is not None
+        part = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        part.weight = nn.Parameter(self.weight, requires_grad=False)
+        self._full = NativeLinear(part, exact_blocks=False)
         return self._full
 
     def greedy(self, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
