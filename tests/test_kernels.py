@@ -11,7 +11,13 @@ from torch import nn
 import uag
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
-from tests.tiny import cross_pair, one_row_vs_chunked_logits, same_tokenizer_pair
+from tests.tiny import (
+    cross_pair,
+    one_row_vs_chunked_logits,
+    q4_k_like,
+    q8_0_like,
+    same_tokenizer_pair,
+)
 from uag import kernels, native
 from uag.errors import UagError
 from uag.runner import HeadOutput
@@ -130,15 +136,11 @@ def test_fused_native_linears_equal_their_parts_bitwise(int8):
 
 
 def _gguf_like_linear(out: int, width: int, *, steps: int, seed: int = 0) -> nn.Linear:
-    """A weight as GGUF's Q8_0 (``steps`` 127) or Q5_0 (16) de-quantises: per block of 32, an
-    fp16 scale times integers whose largest magnitude is ``steps``."""
+    """A linear whose weight is as GGUF's Q8_0 (``steps`` 127) or Q5_0 (16) de-quantises."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-steps, steps + 1, (out, width), generator=gen).float()
-    q[:, ::32] = -float(steps)
-    scales = (torch.rand(out, width // 32, generator=gen) * 0.01 + 1e-4).half().float()
     linear = nn.Linear(width, out)
     with torch.no_grad():
-        linear.weight.copy_(q * scales.repeat_interleave(32, dim=1))
+        linear.weight.copy_(q8_0_like(out, width, steps=steps, top=0.01, generator=gen))
     return linear
 
 
@@ -712,23 +714,16 @@ def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
 
 
 def _q4k_like_linear(out: int, width: int, *, seed: int = 0) -> nn.Linear:
-    """A weight as GGUF's Q4_K de-quantises: per block of 32, an exact scale times 0..15 minus
-    an exact minimum; one block's second half holds only even steps, so its 16-wide blocks read
-    twice the scale of their neighbour (``to_integer`` must still join them)."""
+    """A weight as GGUF's Q4_K de-quantises; one block's second half holds only even steps, so
+    its 16-wide blocks read twice the scale of their neighbour (``to_integer`` must still join
+    them)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out, width), generator=gen).float()
     q[0, 16:32] = torch.randint(0, 8, (16,), generator=gen).float() * 2
     q[0, 16], q[0, 17] = 0.0, 14.0
-
-    def exact(top: float) -> torch.Tensor:  # an fp16 times a 6-bit integer
-        d = (torch.rand(out, width // 32, generator=gen) * top / 63).half().float()
-        return (
-            d * torch.randint(16, 64, (out, width // 32), generator=gen).float()
-        ).repeat_interleave(32, 1)
-
     linear = nn.Linear(width, out)
     with torch.no_grad():
-        linear.weight.copy_(q * exact(2e-3) - exact(0.02))
+        linear.weight.copy_(q4_k_like(q, generator=gen))
     return linear
 
 

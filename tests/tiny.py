@@ -102,33 +102,44 @@ def tiny_gemma(vocab: int, *, seed: int = 0, sliding_window: int = 8):
     return Gemma3ForCausalLM(config).float()
 
 
+def q8_0_like(out: int, width: int, *, steps: int, top: float, generator: torch.Generator):
+    """``[out, width]`` as GGUF's Q8_0 (``steps`` 127) or Q5_0 (16) de-quantises: per block of
+    32, an fp16 scale (below ``top`` + 1e-4) times integers whose largest magnitude is
+    ``steps``."""
+    q = torch.randint(-steps, steps + 1, (out, width), generator=generator).float()
+    q[:, ::32] = -float(steps)
+    scales = (torch.rand(out, width // 32, generator=generator) * top + 1e-4).half().float()
+    return q * scales.repeat_interleave(32, dim=1)
+
+
+def q4_k_like(q: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+    """Integers ``q`` (0..15) as GGUF's Q4_K de-quantises them: per block of 32, an exact scale
+    times ``q`` minus an exact minimum (each an fp16 times a 6-bit integer)."""
+    out, width = q.shape
+
+    def exact(top: float) -> torch.Tensor:
+        d = (torch.rand(out, width // 32, generator=generator) * top / 63).half().float()
+        d = d * torch.randint(16, 64, (out, width // 32), generator=generator).float()
+        return d.repeat_interleave(32, 1)
+
+    return q * exact(2e-3) - exact(0.02)
+
+
 def gguf_like_gemma(vocab: int, *, seed: int = 0):
     """``tiny_gemma`` whose layers' weights are as Gemma 3's GGUF de-quantises them: q/k/v and
-    gate/up Q8_0-like (per 32 inputs an fp16 scale times integers up to 127), o and down
-    Q4_K-like (per 32 inputs an exact scale times 0..15 minus an exact minimum), so uag's
-    native kernels hold them as exact blocks and its lean body moves them to ``exact.c``."""
+    gate/up Q8_0-like, o and down Q4_K-like, so uag's native kernels hold them as exact blocks
+    and its lean body moves them to ``exact.c``."""
     model = tiny_gemma(vocab, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-
-    def exact(size: tuple[int, int], top: float) -> torch.Tensor:  # an fp16 times a 6-bit integer
-        d = (torch.rand(size, generator=gen) * top / 63).half().float()
-        return d * torch.randint(16, 64, size, generator=gen).float()
-
     with torch.no_grad():
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
                 out, width = linear.weight.shape
-                q = torch.randint(-127, 128, (out, width), generator=gen).float()
-                q[:, ::32] = -127.0
-                scale = (torch.rand(out, width // 32, generator=gen) * 4e-4 + 1e-4).half().float()
-                linear.weight.copy_(q * scale.repeat_interleave(32, dim=1))
+                linear.weight.copy_(q8_0_like(out, width, steps=127, top=4e-4, generator=gen))
             for linear in (attn.o_proj, mlp.down_proj):
-                out, width = linear.weight.shape
-                q = torch.randint(0, 16, (out, width), generator=gen).float()
-                scale, low = exact((out, width // 32), 2e-3), exact((out, width // 32), 0.02)
-                weight = q * scale.repeat_interleave(32, 1) - low.repeat_interleave(32, 1)
-                linear.weight.copy_(weight)
+                q = torch.randint(0, 16, tuple(linear.weight.shape), generator=gen).float()
+                linear.weight.copy_(q4_k_like(q, generator=gen))
     return model
 
 
