@@ -165,6 +165,23 @@ def test_processing_matches_transformers_warpers():
     torch.testing.assert_close(processed_probs(logits, cfg), torch.softmax(scores, -1))
 
 
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
+def test_top_p_on_a_large_vocabulary_matches_the_full_sort(spread, top_p):
+    """The nucleus over Gemma-sized rows, peaked (spread 12: a few tokens hold it) to flat
+    (0.5: tens of thousands do, past the first ratios), is Transformers' full-sort rule's."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(2, 262_144, generator=gen) * spread
+    cfg = SamplingConfig(temperature=0.7, top_p=top_p)
+    scores = TopPLogitsWarper(top_p)(None, logits.double() / 0.7)
+    want = torch.softmax(scores, -1)
+    got = processed_probs(logits, cfg)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -48,9 +48,11 @@ from uag.speculative import (
     target_only_loop,
 )
 
-TOP_P_WINDOW = 4096
-"""Top-p looks at the most probable tokens first; it sorts the whole vocabulary only when these
-do not hold the nucleus (flat distributions)."""
+NUCLEUS_RATIOS = (1e-3, 1e-6)
+"""Top-p first sorts only the tokens at least this share of the most probable one's mass (a
+few dozen on real text; one comparison pass, where ``topk`` over Gemma's 262,144 entries took
+~2.5 ms for the 4,096 it used to take, and a full sort ~18 ms): the nucleus lies among them
+whenever their mass reaches top-p, else the next ratio is tried, then everything."""
 
 
 @dataclass(frozen=True)
@@ -119,18 +121,29 @@ def categorical(probs: torch.Tensor, gen: torch.Generator) -> int:
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """One row's top-p cut, renormalised."""
-    window = min(TOP_P_WINDOW, probs.numel())
-    values, ids = torch.topk(probs, window)  # descending
-    if window < probs.numel() and float(values.sum()) < top_p + 1e-9:
-        values, ids = torch.sort(probs, descending=True)  # the nucleus is wider: sort it all
+    """One row's top-p cut, renormalised.
+
+    Only tokens at least ``ratio`` times the most probable one's mass are sorted, for the first
+    ratio whose tokens hold at least ``top_p`` (``NUCLEUS_RATIOS``, then all): every other token
+    comes after them in descending order, so the mass before it is already ≥ top-p and the rule
+    drops it. Ties sort by id (stable), as any fixed order keeps the distribution exact.
+    """
+    top = float(probs.max())
+    ids = torch.arange(probs.numel())
+    for ratio in NUCLEUS_RATIOS:
+        some = (probs >= top * ratio).nonzero()[:, 0]
+        if float(probs[some].sum()) >= top_p + 1e-9:  # margin: the cumulative sums' rounding
+            ids = some
+            break
+    values, order = torch.sort(probs[ids], descending=True, stable=True)
+    ids = ids[order]
     # Descending cumulative mass *before* each token < top_p ⇔ ascending mass after it > 1 − p.
     before = torch.cumsum(values, dim=0) - values
     keep = before < top_p
     keep[0] = True
     out = torch.zeros_like(probs)
-    out[ids[keep]] = values[keep]
-    return out / out.sum()
+    out[ids[keep]] = values[keep] / values[keep].sum()
+    return out
 
 
 @dataclass
