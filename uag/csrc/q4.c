@@ -142,11 +142,11 @@ static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *x
 #endif
 
 
-/* AVX-512 VNNI, for several rows (the assistant's catch-up forward): one 64-byte load holds two
- * of a block's four vectors; the activations are laid out to match once per call (xe: per row
- * and block, four 64-byte vectors: lanes 0-7 take the quad the first vector's nibbles multiply,
- * lanes 8-15 the second's). Exact int32 lanes, halves added at the end: the same integers as the
- * 256-bit paths, so the same floats. */
+/* AVX-512 VNNI for one tile (a layer's odd last tile; pair512 below takes the others): one
+ * 64-byte load holds two of a block's four vectors; the activations are laid out to match once
+ * per call (xe: per row and block, four 64-byte vectors: lanes 0-7 take the quad the first
+ * vector's nibbles multiply, lanes 8-15 the second's). Exact int32 lanes, halves added at the
+ * end: the same integers as the 256-bit paths, so the same floats. */
 #define AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define XE_BLOCK 256 /* bytes of expanded activations per row and block */
 
