@@ -168,6 +168,53 @@ def test_native_layers_match_the_torch_path(tokenizers, family):
     assert torch.equal(alone, chunked)
 
 
+@pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_half_kv_cache_for_the_assistant(tokenizers, family):
+    """``LeanBody.half_kv`` (the assistant's keys and values at half the bytes): ``layer.c`` and
+    the torch path read the same half floats (equal within float noise through prefill, chunks
+    past the sliding window and a rollback), each row is bitwise the same whatever the chunking,
+    the logits stay close to a float cache's without equalling them, and a forward over a cache
+    of the other dtype is refused."""
+    vocab = len(tokenizers[0])
+    model = tiny_gemma(vocab, sliding_window=8) if family == "gemma" else tiny_llama(vocab)
+    kernels.swap_linears(model, "native", head=True)
+    half, torch_half, full = CachedLM(model), CachedLM(model), CachedLM(model)
+    assert half.lean.half_kv()
+    torch_half.lean.native = None
+    torch_half.lean.kv_dtype = torch.float16
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (90,), generator=gen).tolist()
+    feed_both_and_compare(
+        half, torch_half, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=1e-3
+    )
+    assert half.cache.keys[0].dtype == torch_half.cache.keys[0].dtype == torch.float16
+    alone, chunked = one_row_vs_chunked_logits(half, ids[:10], ids[10:60])
+    assert torch.equal(alone, chunked)
+    outs = []
+    for lm in (half, full):
+        lm.reset(ids[:30], rollback=False)
+        lm.forward()
+        lm.ids.extend(ids[30:33])
+        outs.append(lm.logits(lm.forward()))
+    assert full.cache.keys[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=0.02, atol=0.02)
+    assert not torch.equal(outs[0], outs[1])
+    half.reset(ids[:3], rollback=False)
+    half.cache = full.lean.new_cache()  # float keys and values under half-float layers
+    with pytest.raises(RuntimeError, match="cache dtype"):
+        half.forward()
+
+
+def test_pair_caches_the_assistant_in_half_floats_and_the_target_in_floats(cross):
+    uag.generate(cross, "Hello world", policy=StaticPolicy(k=3), max_new_tokens=12)
+    if cross.assistant_lm.lean is None or cross.assistant_lm.lean.native is None:
+        pytest.skip("the assistant runs without the native layers here")
+    assert cross.assistant_lm.cache.keys[0].dtype == torch.float16
+    assert cross.target_lm.lean is not None
+    assert cross.target_lm.cache.keys[0].dtype == torch.float32
+
+
 def test_eos_mid_block_ends_generation(tokenizers):
     pair = same_tokenizer_pair(tokenizers, noise=0.0)
     ref = uag.generate(pair, "The", policy=None, max_new_tokens=30)

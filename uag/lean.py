@@ -290,6 +290,8 @@ class LeanBody:
         from uag.native_layer import NativeLayers
 
         self.native = NativeLayers.for_body(self)
+        self.kv_dtype = self.dtype
+        """The cache's dtype for keys and values (``half_kv``)."""
         """Each layer as one ``layer.c`` call (forwards of ≤ 16 rows), where the kernels allow."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -317,9 +319,25 @@ class LeanBody:
             layers=len(self.layers),
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            dtype=self.dtype,
+            dtype=getattr(self, "kv_dtype", self.dtype),
             device=self.device,
         )
+
+    def half_kv(self) -> bool:
+        """Cache keys and values as half floats from the next ``new_cache`` on, where this body
+        runs on the native layers (float32 on CPU); return whether it does.
+
+        For the assistant only: its outputs may be approximate (the target decides every token),
+        and a decode step's attention reads the whole cache, ~14 MB of float keys and values at a
+        300-token context against its ~95 MB of weights. The target's stay float (its output is
+        the reference). Half floats widen exactly to float, so the torch path (prompt prefill)
+        reads the same values the native one does.
+        """
+        if self.native is None:
+            return False
+        self.kv_dtype = torch.float16
+        self.native.set_kv_half(True)
+        return True
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache: LeanCache) -> torch.Tensor:
@@ -396,8 +414,8 @@ class LeanBody:
         query = q.view(1, self.kv_heads, self.groups, self.head_dim)
         out = F.scaled_dot_product_attention(
             query,
-            keys[None, :, lo : position + 1],
-            values[None, :, lo : position + 1],
+            keys[None, :, lo : position + 1].to(q.dtype),
+            values[None, :, lo : position + 1].to(q.dtype),
             scale=self.scaling,
         )
         return out.reshape(1, -1)
@@ -417,8 +435,8 @@ class LeanBody:
         mask = key_pos <= query_pos
         if window is not None:
             mask &= key_pos > query_pos - window
-        k = keys[:, :total].repeat_interleave(self.groups, dim=0)  # [hq, L, d]
-        v = values[:, :total].repeat_interleave(self.groups, dim=0)
+        k = keys[:, :total].to(q.dtype).repeat_interleave(self.groups, dim=0)  # [hq, L, d]
+        v = values[:, :total].to(q.dtype).repeat_interleave(self.groups, dim=0)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=self.scaling
         )  # [1, hq, n, d]

@@ -56,6 +56,7 @@ class _Layer(ctypes.Structure):
         ("o", _Linear),
         ("gate_up", _Linear),
         ("down", _Linear),
+        ("kv_half", ctypes.c_int64),
     ]
 
 
@@ -116,6 +117,14 @@ class NativeLayers:
         }
         self._buffers = {k: torch.empty(MAX_ROWS, w) for k, w in widths.items()}
         self.scratch = _Scratch(**{k: b.data_ptr() for k, b in self._buffers.items()})
+        self.kv_half = False
+        """Whether the cache holds keys and values as half floats (``set_kv_half``)."""
+
+    def set_kv_half(self, half: bool) -> None:
+        """Read and write the cache's keys and values as half floats (``layer.c``), or floats."""
+        for struct in self.structs:
+            struct.kv_half = int(half)
+        self.kv_half = half
 
     @classmethod
     def for_body(cls, body: Any) -> NativeLayers | None:
@@ -165,6 +174,8 @@ class NativeLayers:
     ) -> torch.Tensor:
         """``hidden`` ``[n, h]`` (n ≤ ``MAX_ROWS``, updated in place) through every layer."""
         n = hidden.shape[0]
+        if (cache.keys[0].dtype == torch.float16) != self.kv_half:
+            raise RuntimeError("cache dtype does not match the native layers' (set_kv_half)")
         scratch = ctypes.byref(self.scratch)
         for index, struct in enumerate(self.structs):
             cos, sin = rope[self.body.layer_types[index]]

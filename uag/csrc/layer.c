@@ -57,6 +57,8 @@ typedef struct {
     const float *norm_in, *norm_post_attn, *norm_pre_ff, *norm_post_ff; /* effective weights */
     const float *q_norm, *k_norm;                                       /* Gemma only */
     uag_linear_t qkv, o, gate_up, down;
+    int64_t kv_half; /* keys and values cached as IEEE half floats (the assistant: half the
+                        bytes a decode step's attention reads), else float */
 } uag_layer_t;
 
 typedef struct {
@@ -220,7 +222,8 @@ static inline void softmax_row(float *score, int64_t lo, int64_t pos, float scal
     }
     const float total = hsum8(sum8);
     const __m256 vtot = _mm256_set1_ps(total);
-    for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_div_ps(_mm256_loadu_ps(s + j), vtot));
+    for (j = 0; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(s + j, _mm256_div_ps(_mm256_loadu_ps(s + j), vtot));
     for (; j < n; j++) s[j] = s[j] / total;
 }
 
@@ -248,6 +251,66 @@ static void attend_one(const float *q, const float *K, const float *V, int64_t d
     for (; c < d; c++) {
         float acc = 0.0f;
         for (j = lo; j <= pos; j++) acc = fmaf(score[j], V[j * d + c], acc);
+        o[c] = acc;
+    }
+}
+
+/* The same as dot4, dot and attend_one with keys and values cached as half floats (each
+ * widened exactly to float as it is loaded): the assistant's cache, where approximation is
+ * allowed, read at half the bytes. */
+static inline __m256 load_half8(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline float dot_h(const float *a, const uint16_t *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_half8(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s = fmaf(a[i], _cvtsh_ss(b[i]), s);
+    return s;
+}
+static inline void dot4_h(const float *q, const uint16_t *k0, const uint16_t *k1,
+                          const uint16_t *k2, const uint16_t *k3, int64_t n, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(x, load_half8(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(x, load_half8(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(x, load_half8(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(x, load_half8(k3 + i), a3);
+    }
+    float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
+    for (; i < n; i++) {
+        const float q1 = q[i];
+        s0 = fmaf(q1, _cvtsh_ss(k0[i]), s0), s1 = fmaf(q1, _cvtsh_ss(k1[i]), s1);
+        s2 = fmaf(q1, _cvtsh_ss(k2[i]), s2), s3 = fmaf(q1, _cvtsh_ss(k3[i]), s3);
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+static void attend_one_h(const float *q, const uint16_t *K, const uint16_t *V, int64_t d,
+                         int64_t lo, int64_t pos, float scaling, float *score, float *o) {
+    int64_t j = lo;
+    for (; j + 4 <= pos + 1; j += 4)
+        dot4_h(q, K + j * d, K + (j + 1) * d, K + (j + 2) * d, K + (j + 3) * d, d, score + j);
+    for (; j <= pos; j++) score[j] = dot_h(q, K + j * d, d);
+    softmax_row(score, lo, pos, scaling);
+    int64_t c = 0;
+    for (; c + PV_CHUNK <= d; c += PV_CHUNK) {
+        __m256 acc[PV_CHUNK / 8];
+        for (int v = 0; v < PV_CHUNK / 8; v++) acc[v] = _mm256_setzero_ps();
+        for (j = lo; j <= pos; j++) {
+            const __m256 p = _mm256_set1_ps(score[j]);
+            const uint16_t *vj = V + j * d + c;
+            for (int v = 0; v < PV_CHUNK / 8; v++)
+                acc[v] = _mm256_fmadd_ps(p, load_half8(vj + 8 * v), acc[v]);
+        }
+        for (int v = 0; v < PV_CHUNK / 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
+    }
+    for (; c < d; c++) {
+        float acc = 0.0f;
+        for (j = lo; j <= pos; j++) acc = fmaf(score[j], _cvtsh_ss(V[j * d + c]), acc);
         o[c] = acc;
     }
 }
@@ -304,7 +367,7 @@ static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int6
                       const float *keys, const float *values, int64_t capacity, float *out) {
     const int64_t d = L->head_dim, groups = L->heads / L->kv_heads;
     const int64_t width = (L->heads + 2 * L->kv_heads) * d;
-    const int shared = rows > 1 && groups == SHARE && d % SHARE_CHUNK == 0;
+    const int shared = rows > 1 && groups == SHARE && d % SHARE_CHUNK == 0 && !L->kv_half;
     const int64_t per = shared ? SHARE : 1, tasks = rows * L->heads / per;
     const int64_t sstride = start + rows + 4;
 #pragma omp parallel
@@ -316,8 +379,14 @@ static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int6
             const int64_t pos = start + i;
             const int64_t lo = (L->window > 0 && pos - L->window + 1 > 0) ? pos - L->window + 1 : 0;
             const float *q = qkv + i * width + h * d;
-            const float *K = keys + kv * capacity * d, *V = values + kv * capacity * d;
             float *o = out + i * L->heads * d + h * d;
+            if (L->kv_half) {
+                const uint16_t *K = (const uint16_t *)keys + kv * capacity * d;
+                const uint16_t *V = (const uint16_t *)values + kv * capacity * d;
+                attend_one_h(q, K, V, d, lo, pos, L->scaling, score, o);
+                continue;
+            }
+            const float *K = keys + kv * capacity * d, *V = values + kv * capacity * d;
             if (shared) attend_shared(q, K, V, d, lo, pos, L->scaling, score, sstride, o);
             else attend_one(q, K, V, d, lo, pos, L->scaling, score, o);
         }
@@ -343,8 +412,24 @@ void uag_decoder_layer(const uag_layer_t *L, float *hidden, int64_t rows, int64_
         for (int64_t h = 0; h < hkv; h++) {
             if (L->gemma) rms_norm(k + h * d, L->k_norm, d, L->eps, k + h * d);
             rope(k + h * d, cos + i * d, sin + i * d, d);
-            float *kd = keys + (h * capacity + start + i) * d;
-            float *vd = values + (h * capacity + start + i) * d;
+            const int64_t at = (h * capacity + start + i) * d;
+            if (L->kv_half) { /* round to nearest even, as torch's cast in the prefill path */
+                uint16_t *kd = (uint16_t *)keys + at, *vd = (uint16_t *)values + at;
+                int64_t c = 0;
+                for (; c + 8 <= d; c += 8) {
+                    const __m256 kc = _mm256_loadu_ps(k + h * d + c);
+                    const __m256 vc = _mm256_loadu_ps(v + h * d + c);
+                    const int rne = _MM_FROUND_TO_NEAREST_INT;
+                    _mm_storeu_si128((__m128i *)(kd + c), _mm256_cvtps_ph(kc, rne));
+                    _mm_storeu_si128((__m128i *)(vd + c), _mm256_cvtps_ph(vc, rne));
+                }
+                for (; c < d; c++) {
+                    kd[c] = _cvtss_sh(k[h * d + c], _MM_FROUND_TO_NEAREST_INT);
+                    vd[c] = _cvtss_sh(v[h * d + c], _MM_FROUND_TO_NEAREST_INT);
+                }
+                continue;
+            }
+            float *kd = keys + at, *vd = values + at;
             for (int64_t c = 0; c < d; c++) {
                 kd[c] = k[h * d + c];
                 vd[c] = v[h * d + c];
