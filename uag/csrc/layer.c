@@ -155,26 +155,35 @@ static void gated(const float *g, const float *u, float *a, int64_t n, int gemma
     }
 }
 
-/* dot(q, k_j, n) for the four keys k_0..k_3 at once: each its own chain of multiply-adds in the
- * same order, reduction and tail as dot(), so bitwise dot()'s results, but four chains in flight
- * instead of one waiting on its own latency (a verify's attention: ~0.2 ms of a layer's rows). */
-static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2,
-                        const float *k3, int64_t n, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+/* Element i of a cache row: a float, or (half) an IEEE half float widened exactly. Inlined
+ * with a constant half, so each caller compiles to one load form. */
+static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+static inline __attribute__((always_inline)) float kv1(const void *p, int64_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* dot(q, k_j, n) for the four keys j..j + 3 of K (rows of n) at once: each its own chain of
+ * multiply-adds in the same order, reduction and tail as dot(), so bitwise dot()'s results, but
+ * four chains in flight instead of one waiting on its own latency (a verify's attention: ~0.2
+ * ms of a layer's rows). keys (4, or 1 for the last few) is a constant after inlining. */
+static inline __attribute__((always_inline)) void dot4(const float *q, const void *K, int64_t j,
+                                                       int keys, int64_t n, int half, float *out) {
+    __m256 a[4];
+    for (int t = 0; t < 4; t++) a[t] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 x = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + i), a3);
+        for (int t = 0; t < keys; t++)
+            a[t] = _mm256_fmadd_ps(x, kv8(K, (j + t) * n + i, half), a[t]);
     }
-    float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
-    for (; i < n; i++) {
-        s0 = fmaf(q[i], k0[i], s0), s1 = fmaf(q[i], k1[i], s1);
-        s2 = fmaf(q[i], k2[i], s2), s3 = fmaf(q[i], k3[i], s3);
+    for (int t = 0; t < keys; t++) {
+        float st = hsum8(a[t]);
+        for (int64_t r = i; r < n; r++) st = fmaf(q[r], kv1(K, (j + t) * n + r, half), st);
+        out[t] = st;
     }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
 #define PV_CHUNK 64 /* output values per pass over the keys' weights: 8 accumulators */
@@ -228,13 +237,15 @@ static inline void softmax_row(float *score, int64_t lo, int64_t pos, float scal
 }
 
 /* One query head at row position pos over keys lo..pos: scores, softmax, and o = sum_j p_j v_j,
- * each output value one chain of multiply-adds over the keys in order (from 0). */
-static void attend_one(const float *q, const float *K, const float *V, int64_t d, int64_t lo,
-                       int64_t pos, float scaling, float *score, float *o) {
+ * each output value one chain of multiply-adds over the keys in order (from 0). K and V hold
+ * floats, or (half: the assistant's cache) IEEE half floats, widened exactly as they load. */
+static inline __attribute__((always_inline)) void attend(const float *q, const void *K,
+                                                         const void *V, int64_t d, int64_t lo,
+                                                         int64_t pos, float scaling, float *score,
+                                                         float *o, int half) {
     int64_t j = lo;
-    for (; j + 4 <= pos + 1; j += 4)
-        dot4(q, K + j * d, K + (j + 1) * d, K + (j + 2) * d, K + (j + 3) * d, d, score + j);
-    for (; j <= pos; j++) score[j] = dot(q, K + j * d, d);
+    for (; j + 4 <= pos + 1; j += 4) dot4(q, K, j, 4, d, half, score + j);
+    for (; j <= pos; j++) dot4(q, K, j, 1, d, half, score + j);
     softmax_row(score, lo, pos, scaling);
     int64_t c = 0;
     for (; c + PV_CHUNK <= d; c += PV_CHUNK) {
@@ -242,77 +253,24 @@ static void attend_one(const float *q, const float *K, const float *V, int64_t d
         for (int v = 0; v < PV_CHUNK / 8; v++) acc[v] = _mm256_setzero_ps();
         for (j = lo; j <= pos; j++) {
             const __m256 p = _mm256_set1_ps(score[j]);
-            const float *vj = V + j * d + c;
             for (int v = 0; v < PV_CHUNK / 8; v++)
-                acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * v), acc[v]);
+                acc[v] = _mm256_fmadd_ps(p, kv8(V, j * d + c + 8 * v, half), acc[v]);
         }
         for (int v = 0; v < PV_CHUNK / 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
     }
     for (; c < d; c++) {
         float acc = 0.0f;
-        for (j = lo; j <= pos; j++) acc = fmaf(score[j], V[j * d + c], acc);
+        for (j = lo; j <= pos; j++) acc = fmaf(score[j], kv1(V, j * d + c, half), acc);
         o[c] = acc;
     }
 }
-
-/* The same as dot4, dot and attend_one with keys and values cached as half floats (each
- * widened exactly to float as it is loaded): the assistant's cache, where approximation is
- * allowed, read at half the bytes. */
-static inline __m256 load_half8(const uint16_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-static inline float dot_h(const float *a, const uint16_t *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_half8(b + i), acc);
-    float s = hsum8(acc);
-    for (; i < n; i++) s = fmaf(a[i], _cvtsh_ss(b[i]), s);
-    return s;
-}
-static inline void dot4_h(const float *q, const uint16_t *k0, const uint16_t *k1,
-                          const uint16_t *k2, const uint16_t *k3, int64_t n, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(x, load_half8(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(x, load_half8(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(x, load_half8(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(x, load_half8(k3 + i), a3);
-    }
-    float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
-    for (; i < n; i++) {
-        const float q1 = q[i];
-        s0 = fmaf(q1, _cvtsh_ss(k0[i]), s0), s1 = fmaf(q1, _cvtsh_ss(k1[i]), s1);
-        s2 = fmaf(q1, _cvtsh_ss(k2[i]), s2), s3 = fmaf(q1, _cvtsh_ss(k3[i]), s3);
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+static void attend_one(const float *q, const float *K, const float *V, int64_t d, int64_t lo,
+                       int64_t pos, float scaling, float *score, float *o) {
+    attend(q, K, V, d, lo, pos, scaling, score, o, 0);
 }
 static void attend_one_h(const float *q, const uint16_t *K, const uint16_t *V, int64_t d,
                          int64_t lo, int64_t pos, float scaling, float *score, float *o) {
-    int64_t j = lo;
-    for (; j + 4 <= pos + 1; j += 4)
-        dot4_h(q, K + j * d, K + (j + 1) * d, K + (j + 2) * d, K + (j + 3) * d, d, score + j);
-    for (; j <= pos; j++) score[j] = dot_h(q, K + j * d, d);
-    softmax_row(score, lo, pos, scaling);
-    int64_t c = 0;
-    for (; c + PV_CHUNK <= d; c += PV_CHUNK) {
-        __m256 acc[PV_CHUNK / 8];
-        for (int v = 0; v < PV_CHUNK / 8; v++) acc[v] = _mm256_setzero_ps();
-        for (j = lo; j <= pos; j++) {
-            const __m256 p = _mm256_set1_ps(score[j]);
-            const uint16_t *vj = V + j * d + c;
-            for (int v = 0; v < PV_CHUNK / 8; v++)
-                acc[v] = _mm256_fmadd_ps(p, load_half8(vj + 8 * v), acc[v]);
-        }
-        for (int v = 0; v < PV_CHUNK / 8; v++) _mm256_storeu_ps(o + c + 8 * v, acc[v]);
-    }
-    for (; c < d; c++) {
-        float acc = 0.0f;
-        for (j = lo; j <= pos; j++) acc = fmaf(score[j], _cvtsh_ss(V[j * d + c]), acc);
-        o[c] = acc;
-    }
+    attend(q, K, V, d, lo, pos, scaling, score, o, 1);
 }
 
 /* attend_one for SHARE query heads of one kv head (q at stride d, o at stride d, scores at
