@@ -129,13 +129,14 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     drops it. Ties sort by id (stable), as any fixed order keeps the distribution exact.
     """
     top = float(probs.max())
-    ids = torch.arange(probs.numel())
     for ratio in NUCLEUS_RATIOS:
-        some = (probs >= top * ratio).nonzero()[:, 0]
-        if float(probs[some].sum()) >= top_p + 1e-9:  # margin: the cumulative sums' rounding
-            ids = some
+        ids = (probs >= top * ratio).nonzero()[:, 0]
+        mass = probs[ids]
+        if float(mass.sum()) >= top_p + 1e-9:  # margin: the cumulative sums' rounding
             break
-    values, order = torch.sort(probs[ids], descending=True, stable=True)
+    else:  # none of them holds the nucleus: every token
+        ids, mass = torch.arange(probs.numel()), probs
+    values, order = torch.sort(mass, descending=True, stable=True)
     ids = ids[order]
     # Descending cumulative mass *before* each token < top_p ⇔ ascending mass after it > 1 − p.
     before = torch.cumsum(values, dim=0) - values
