@@ -264,18 +264,10 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
         o[c] = acc;
     }
 }
-static void attend_one(const float *q, const float *K, const float *V, int64_t d, int64_t lo,
-                       int64_t pos, float scaling, float *score, float *o) {
-    attend(q, K, V, d, lo, pos, scaling, score, o, 0);
-}
-static void attend_one_h(const float *q, const uint16_t *K, const uint16_t *V, int64_t d,
-                         int64_t lo, int64_t pos, float scaling, float *score, float *o) {
-    attend(q, K, V, d, lo, pos, scaling, score, o, 1);
-}
 
-/* attend_one for SHARE query heads of one kv head (q at stride d, o at stride d, scores at
+/* attend for SHARE query heads of one kv head (q at stride d, o at stride d, scores at
  * stride sstride): each key's and value's bytes are loaded once for all of them, and every
- * head's chains (dot()'s per score, one per output value) are attend_one's in the same order,
+ * head's chains (dot()'s per score, one per output value) are attend's in the same order,
  * so the same bits. Why: a verify's rows x heads re-read the layer's keys and values from L2
  * once per head; Gemma's four query heads share one kv head. d a multiple of SHARE_CHUNK. */
 static void attend_shared(const float *q, const float *K, const float *V, int64_t d, int64_t lo,
@@ -318,7 +310,7 @@ static void attend_shared(const float *q, const float *K, const float *V, int64_
 }
 
 /* Row i (position start + i) of every query head over the keys it may see, row-count
- * invariant: every head's results are attend_one's bits however the work is split. With
+ * invariant: every head's results are attend's bits however the work is split. With
  * several rows and SHARE query heads per kv head (Gemma 3), a task is a row's SHARE heads
  * (attend_shared); otherwise, and for one row (both cores then take heads), a task is one head. */
 static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int64_t start,
@@ -341,12 +333,12 @@ static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int6
             if (L->kv_half) {
                 const uint16_t *K = (const uint16_t *)keys + kv * capacity * d;
                 const uint16_t *V = (const uint16_t *)values + kv * capacity * d;
-                attend_one_h(q, K, V, d, lo, pos, L->scaling, score, o);
+                attend(q, K, V, d, lo, pos, L->scaling, score, o, 1);
                 continue;
             }
             const float *K = keys + kv * capacity * d, *V = values + kv * capacity * d;
             if (shared) attend_shared(q, K, V, d, lo, pos, L->scaling, score, sstride, o);
-            else attend_one(q, K, V, d, lo, pos, L->scaling, score, o);
+            else attend(q, K, V, d, lo, pos, L->scaling, score, o, 0);
         }
         free(score);
     }
