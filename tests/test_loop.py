@@ -211,8 +211,44 @@ def test_pair_caches_the_assistant_in_half_floats_and_the_target_in_floats(cross
     if cross.assistant_lm.lean is None or cross.assistant_lm.lean.native is None:
         pytest.skip("the assistant runs without the native layers here")
     assert cross.assistant_lm.cache.keys[0].dtype == torch.float16
+    assert cross.assistant_lm.lean.prompts_native
     assert cross.target_lm.lean is not None
     assert cross.target_lm.cache.keys[0].dtype == torch.float32
+    assert not cross.target_lm.lean.prompts_native  # the target's prompts keep the torch path
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_assistant_prompts_on_the_native_layers_match_its_decode_steps(tokenizers, family):
+    """``LeanBody.native_prompts``: a 70-token prompt runs on ``layer.c`` in pieces (here of 24
+    rows) and every row's hidden state and cached key is bitwise what feeding the tokens one per
+    forward gives, so the assistant's prompt and its drafts come from one computation; the torch
+    path (what the target keeps for prompts) rounds differently."""
+    vocab = len(tokenizers[0])
+    model = tiny_gemma(vocab, sliding_window=8) if family == "gemma" else tiny_llama(vocab)
+    kernels.swap_linears(model, "native", head=True)
+    whole, steps, torch_path = CachedLM(model), CachedLM(model), CachedLM(model)
+    if whole.lean is None or whole.lean.native is None:
+        pytest.skip("no native layers here")
+    for lm in (whole, steps, torch_path):
+        assert lm.lean.half_kv()
+    assert whole.lean.native_prompts() and not torch_path.lean.prompts_native
+    whole.lean.attach_native()  # as after a move into huge pages: the modes stay
+    assert whole.lean.prompts_native and whole.lean.native.kv_half
+    whole.lean.PROMPT_ROWS = 24
+    ids = torch.randint(3, vocab, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    whole.reset(ids, rollback=False)
+    torch_path.reset(ids, rollback=False)
+    steps.reset(ids[:1], rollback=False)
+    rows = [steps.forward()]
+    for tok in ids[1:]:
+        steps.ids.append(tok)
+        rows.append(steps.forward())
+    got = whole.forward()
+    assert got.shape[0] == 70 and torch.equal(got, torch.cat(rows))
+    assert torch.equal(whole.cache.keys[0][:, :70], steps.cache.keys[0][:, :70])
+    other = torch_path.forward()
+    torch.testing.assert_close(other, got, rtol=1e-3, atol=1e-3)
+    assert not torch.equal(other, got)
 
 
 def test_eos_mid_block_ends_generation(tokenizers):

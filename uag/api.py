@@ -270,8 +270,9 @@ def _pair(
     )
     for lm in (target_lm, assistant_lm):
         lm.move_to_huge_pages()
-    if assistant_lm.lean is not None:  # its keys and values at half the bytes (LeanBody.half_kv)
+    if assistant_lm.lean is not None:  # half-float keys and values, prompts on layer.c
         assistant_lm.lean.half_kv()
+        assistant_lm.lean.native_prompts()
         assistant_lm.reset([], rollback=False)
     return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, kernels)
 

@@ -12,11 +12,11 @@ replaces only what surrounds them:
   rollback never loses states (no "past recording" mode needed).
 * attention row by row for forwards of up to ``ROWWISE_MAX_ROWS`` rows: each query row is one
   SDPA call over exactly the keys it may see, with no mask, so a row's result cannot depend on
-  how many rows share the forward (what lossless verification needs); longer forwards (prompt
-  prefill, the same call in every mode) run one masked call.
+  how many rows share the forward (what lossless verification needs); longer forwards (the
+  target's prompt prefill, the same call in every mode) run one masked call.
 * q/k/v and gate/up fused into one product each, norms as one ``F.rms_norm``; and with the native
-  kernels each layer of a forward of up to 16 rows is one call into ``csrc/layer.c``
-  (``uag.native_layer``), also row by row.
+  kernels each layer of a forward of up to 16 rows (the assistant's prompts too:
+  ``native_prompts``) is one call into ``csrc/layer.c`` (``uag.native_layer``), also row by row.
 
 Once built, a ``LeanBody`` holds plain tensors and uag's own modules only (embedding rows, rotary
 frequencies, norms, linears), no Transformers object: ``uag.prepared`` saves a converted one and
@@ -290,9 +290,16 @@ class LeanBody:
         from uag.native_layer import NativeLayers
 
         self.native = NativeLayers.for_body(self)
-        self.kv_dtype = self.dtype
-        """The cache's dtype for keys and values (``half_kv``)."""
         """Each layer as one ``layer.c`` call (forwards of ≤ 16 rows), where the kernels allow."""
+        # kept across a re-attach (after a move into huge pages), where the native layers exist
+        half = self.native is not None and getattr(self, "kv_dtype", None) == torch.float16
+        self.kv_dtype = torch.float16 if half else self.dtype
+        """The cache's dtype for keys and values (``half_kv``)."""
+        if half:
+            assert self.native is not None
+            self.native.set_kv_half(True)
+        self.prompts_native = self.native is not None and getattr(self, "prompts_native", False)
+        """Whether forwards of over 16 rows run on the native layers too (``native_prompts``)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the C structs (rebuilt on load: they point into this process)."""
@@ -339,6 +346,24 @@ class LeanBody:
         self.native.set_kv_half(True)
         return True
 
+    PROMPT_ROWS = 256
+    """Rows per piece of a long forward on the native layers (``native_prompts``): scratch for
+    ~30 KB a row (SmolLM2), and each piece reads the weights once more."""
+
+    def native_prompts(self) -> bool:
+        """Run forwards of any length (a prompt's prefill) on the native layers too, in pieces of
+        ``PROMPT_ROWS``, where this body has them; return whether it does.
+
+        For the assistant only: the native layers round differently from the torch path, which
+        the target keeps for prompts (its prefill is the reference every mode shares). SmolLM2's
+        115-token prefill: ~95 ms through the torch path (~20 small calls per layer, each a
+        parallel region, around the same products), ~64 ms here; and each prompt row is bitwise
+        what a one-row forward gives it (``layer.c`` computes rows on their own)."""
+        if self.native is None:
+            return False
+        self.prompts_native = True
+        return True
+
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, cache: LeanCache) -> torch.Tensor:
         """Feed ``ids`` (``[n]``) after the ``cache.length`` positions already cached."""
@@ -347,8 +372,12 @@ class LeanBody:
         positions = torch.arange(start, start + n, device=self.device)  # [n]
         hidden = self.embed(ids)  # [n, h]
         rope = self.rope(positions, hidden.dtype)  # {kind: ([n, d], [n, d])}
-        if self.native is not None and n <= ROWWISE_MAX_ROWS:
-            hidden = self.native(hidden.contiguous(), cache, start, rope)
+        if self.native is not None and (n <= ROWWISE_MAX_ROWS or self.prompts_native):
+            hidden, piece = hidden.contiguous(), self.PROMPT_ROWS
+            for lo in range(0, n, piece):  # a long prompt in pieces
+                part = {kind: (c[lo : lo + piece], s[lo : lo + piece])
+                        for kind, (c, s) in rope.items()}  # fmt: skip
+                self.native(hidden[lo : lo + piece], cache, start + lo, part)
             cache.length = start + n
             return self.native.norm(hidden, self.final_norm)
         rope = {kind: (cos[:, None, :], sin[:, None, :]) for kind, (cos, sin) in rope.items()}

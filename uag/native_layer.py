@@ -1,4 +1,5 @@
-"""Decoder layers as one native call each (``csrc/layer.c``), for forwards of up to 16 rows.
+"""Decoder layers as one native call each (``csrc/layer.c``), for forwards of up to 16 rows
+(and the assistant's prompts: ``uag.lean.LeanBody.native_prompts``).
 
 Why: once the matrix products run on ``skinny.c``, what is left of a decode step is ~25 small
 torch calls per layer (norms, rotary embedding, cache write, attention, activation, residuals),
@@ -94,7 +95,7 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
 
 
 MAX_ROWS = ROWWISE_MAX_ROWS
-"""Rows per call the scratch buffers hold (longer forwards, prompt prefill, use torch)."""
+"""Rows the scratch buffers hold at first (``reserve`` grows them for a prompt's pieces)."""
 
 
 class NativeLayers:
@@ -115,10 +116,22 @@ class NativeLayers:
             "gu": 2 * inter,
             "act": inter,
         }
-        self._buffers = {k: torch.empty(MAX_ROWS, w) for k, w in widths.items()}
-        self.scratch = _Scratch(**{k: b.data_ptr() for k, b in self._buffers.items()})
+        self._widths = widths
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.scratch = _Scratch()
+        self.rows = 0
+        """Rows the scratch buffers hold (``reserve``)."""
+        self.reserve(MAX_ROWS)
         self.kv_half = False
         """Whether the cache holds keys and values as half floats (``set_kv_half``)."""
+
+    def reserve(self, rows: int) -> None:
+        """Scratch for forwards of up to ``rows`` rows (a prompt's chunk: ``LeanBody``)."""
+        if rows <= self.rows:
+            return
+        self._buffers = {k: torch.empty(rows, w) for k, w in self._widths.items()}
+        self.scratch = _Scratch(**{k: b.data_ptr() for k, b in self._buffers.items()})
+        self.rows = rows
 
     def set_kv_half(self, half: bool) -> None:
         """Read and write the cache's keys and values as half floats (``layer.c``), or floats."""
@@ -172,8 +185,9 @@ class NativeLayers:
         start: int,
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """``hidden`` ``[n, h]`` (n ≤ ``MAX_ROWS``, updated in place) through every layer."""
+        """``hidden`` ``[n, h]`` (updated in place) through every layer."""
         n = hidden.shape[0]
+        self.reserve(n)
         if (cache.keys[0].dtype == torch.float16) != self.kv_half:
             raise RuntimeError("cache dtype does not match the native layers' (set_kv_half)")
         scratch = ctypes.byref(self.scratch)

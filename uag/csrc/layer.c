@@ -186,6 +186,7 @@ static inline __attribute__((always_inline)) void dot4(const float *q, const voi
     }
 }
 
+#define PARALLEL_ROWS 16 /* rows from which a layer's row-wise steps use both threads */
 #define PV_CHUNK 64 /* output values per pass over the keys' weights: 8 accumulators */
 #define SHARE 4       /* query heads of one kv head attended together (see attention) */
 #define SHARE_CHUNK 16 /* their output values per pass: 4 heads x 2 accumulators */
@@ -323,7 +324,9 @@ static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int6
 #pragma omp parallel
     {
         float *score = (float *)malloc(sizeof(float) * (size_t)(per * sstride));
-#pragma omp for schedule(static)
+        /* round robin: a prompt's later rows see more keys (static blocks gave one thread
+         * ~70 % of the work) */
+#pragma omp for schedule(static, 1)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t i = t * per / L->heads, h = t * per % L->heads, kv = h / groups;
             const int64_t pos = start + i;
@@ -351,8 +354,12 @@ void uag_decoder_layer(const uag_layer_t *L, float *hidden, int64_t rows, int64_
                        const float *sin, const uag_scratch_t *S) {
     const int64_t H = L->hidden, d = L->head_dim, hq = L->heads, hkv = L->kv_heads;
     const int64_t width = (hq + 2 * hkv) * d;
+    /* Row-wise steps split between the threads for a prompt's rows (each row on its own: the
+     * same bits); a verify's few rows stay on one (a parallel region costs more than they do). */
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows; i++) rms_norm(hidden + i * H, L->norm_in, H, L->eps, S->x + i * H);
     linear(&L->qkv, S->x, rows, S->qkv);
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows; i++) {
         float *q = S->qkv + i * width, *k = q + hq * d, *v = k + hkv * d;
         for (int64_t h = 0; h < hq; h++) {
@@ -388,6 +395,7 @@ void uag_decoder_layer(const uag_layer_t *L, float *hidden, int64_t rows, int64_
     }
     attention(L, S->qkv, rows, start, keys, values, capacity, S->attn);
     linear(&L->o, S->attn, rows, S->o);
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows; i++) {
         float *h = hidden + i * H, *o = S->o + i * H, *x = S->x + i * H;
         if (L->gemma) {
@@ -407,6 +415,7 @@ void uag_decoder_layer(const uag_layer_t *L, float *hidden, int64_t rows, int64_
         gated(g, g + I, S->act + i * I, I, (int)L->gemma);
     }
     linear(&L->down, S->act, rows, S->o);
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows; i++) {
         float *h = hidden + i * H, *o = S->o + i * H;
         if (L->gemma) rms_norm(o, L->norm_post_ff, H, L->eps, o);
