@@ -19,10 +19,10 @@ import uag
 from controllers.base import DraftContext, DraftStep, IterationOutcome
 from tests.tiny import one_clean_line, same_tokenizer_pair
 from uag.cli import main
-from uag.collect import CollectConfig, collect, rows_for_prompt
+from uag.collect import CollectConfig, collect, part_path, rows_for_prompt
 from uag.errors import UagError
 from uag.features import FEATURE_NAMES, feature_row
-from uag.prompts import Prompt
+from uag.prompts import Prompt, load_prompts
 from uag.speculative import IterationRecord
 
 
@@ -317,6 +317,15 @@ def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_d
             collect(cfg(shard=(0, 2), resume=True, **changes), progress=False)
     with pytest.raises(UagError, match="max_new_tokens"):  # a new shard may not mix in either
         collect(cfg(shard=(2, 3), max_new_tokens=5), progress=False)
+    # a writer killed mid-file left its temporary copies: a resume removes its own shard's
+    first, second = (part_path(out, p.id).name for p in load_prompts("mixed", limit=2))
+    ours = [out / f".{first}.99999999.tmp", out / ".meta-0of2.json.99999999.tmp"]
+    theirs = [out / f".{second}.99999999.tmp"]  # shard 1's: it may be writing it right now
+    for tmp in ours + theirs:
+        tmp.write_bytes(b"half a file")
+    collect(cfg(shard=(0, 2), resume=True), progress=False)  # shard 0 holds the first prompt
+    assert not any(tmp.exists() for tmp in ours) and all(tmp.exists() for tmp in theirs)
+    theirs[0].unlink()
     (out / "meta-0of2.json").write_text("{broken")
     with pytest.raises(UagError, match="not a readable collect meta"):
         collect(cfg(shard=(0, 2), resume=True), progress=False)

@@ -287,6 +287,7 @@ def _prepare_out(cfg: CollectConfig, mine: list[Prompt], *, clear_all: bool) -> 
     """
     cfg.out.mkdir(parents=True, exist_ok=True)
     meta = meta_path(cfg.out, cfg.shard)
+    _remove_stale_temporaries(cfg.out, {part_path(cfg.out, p.id).name for p in mine} | {meta.name})
     own = [part_path(cfg.out, p.id) for p in mine if part_path(cfg.out, p.id).exists()]
     own += [meta] if meta.exists() else []
     if own and not (cfg.resume or cfg.overwrite):
@@ -313,6 +314,15 @@ def _prepare_out(cfg: CollectConfig, mine: list[Prompt], *, clear_all: bool) -> 
             )
     done = {p.id for p in mine if part_path(cfg.out, p.id).exists()}
     return [p for p in mine if p.id not in done]
+
+
+def _remove_stale_temporaries(out: Path, names: set[str]) -> None:
+    """Delete the temporary copies (``.NAME.PID.tmp``, ``write_part``) of the files ``names``: a
+    writer killed mid-file leaves one behind. Only this shard's own names: no other process
+    writes them, while another shard of the run may be writing its own right now."""
+    for tmp in out.glob(".*.tmp"):
+        if tmp.name[1:].rsplit(".", 2)[0] in names:
+            tmp.unlink(missing_ok=True)
 
 
 def _prepare_together(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
