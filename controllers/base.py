@@ -66,6 +66,10 @@ class DraftStep:
     """Target tokens the draft's text re-encodes to so far (-1 when not computed)."""
     context: DraftContext
     """The iteration this step belongs to."""
+    repeat: int = 0
+    """How much of the text ending with this token already occurs earlier in the prompt and the
+    text before it, in bytes (``uag.features.repeat_length``: 0, 3, 6, 12 or 24); 0 when the loop
+    does not compute features."""
 
 
 @dataclass(frozen=True)

@@ -375,6 +375,37 @@ def test_features_mean_the_same_under_any_policy():
     assert not np.array_equal(base, row(target_prob=0.2))  # what the target says does count
 
 
+def test_repeat_length_finds_the_longest_repeated_suffix():
+    """Schema 3's ``repeat``: the longest of 3/6/12/24 bytes of the text's end seen earlier in
+    it (overlaps count, the end itself does not), on code, prose and CJK bytes; its feature
+    moves the row, and the gate row (before any draft) blanks it."""
+    from controllers.base import DraftStep
+    from uag.features import feature_row, repeat_length, to_gate_rows
+
+    assert repeat_length(b"") == repeat_length(b"abc") == 0
+    assert repeat_length(b"the quick brown fox") == 0
+    assert repeat_length(b"xyz-xyz") == 3
+    assert repeat_length(b"aaaa") == 3  # an overlapping earlier occurrence counts
+    assert repeat_length(b"hello world, hello world") == 6  # " hello world" is new
+    assert repeat_length(b"0123456789abcdefghijklmn|0123456789abcdefghijklmn") == 24
+    assert repeat_length("日本語のテキスト、日本語のテキスト".encode()) == 24
+    assert repeat_length(bytearray(b"    return x\n    return x")) == 12
+
+    def row(repeat: int) -> np.ndarray:
+        ctx = DraftContext(
+            iteration=1, generated=5, remaining=50, prev_drafted=0, prev_accepted=0,
+            drafted_total=0, accepted_total=0, target_prob=0.5, target_entropy=1.0,
+        )  # fmt: skip
+        return feature_row(DraftStep(
+            position=1, token_id=7, token_bytes=b"x", prob=0.5, entropy=1.0, margin=0.2,
+            cum_logprob=-0.7, min_prob=0.5, target_tokens=1, context=ctx, repeat=repeat,
+        ))  # fmt: skip
+
+    column = FEATURE_NAMES.index("repeat")
+    assert row(0)[column] == 0.0 and row(24)[column] > row(3)[column] > 0.0
+    assert np.array_equal(to_gate_rows(row(24)[None]), to_gate_rows(row(0)[None]))
+
+
 def test_the_shipped_controller_loads_and_decides_sensibly():
     """exports/ctrl.onnx as users get it: its contract matches this code, it rates a confident
     draft above a hopeless one, keeps drafting after the confident one and stops after the

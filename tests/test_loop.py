@@ -217,6 +217,29 @@ def test_pair_caches_the_assistant_in_half_floats_and_the_target_in_floats(cross
     assert not cross.target_lm.lean.prompts_native  # the target's prompts keep the torch path
 
 
+@pytest.mark.parametrize("which", ["similar", "cross"])
+def test_each_draft_step_knows_how_much_of_its_text_repeats(which, request):
+    """The ``repeat`` feature as the loop computes it: for every drafted token, the longest
+    repeated suffix of the prompt's text, the target's text before the round and the draft so
+    far (recomputed here from the result); a repetitive prompt gives some non-zero ones."""
+    from uag.api import encode_prompt
+    from uag.features import repeat_length
+
+    pair = request.getfixturevalue(which)
+    prompt = "one two three, one two three, one two three, one two"
+    r = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40, keep_steps=True)
+    prompt_bytes = pair.bridge.target.bytes_of(encode_prompt(pair, prompt)[0])
+    done, seen = 0, []
+    for it in r.iterations:
+        before, draft = pair.bridge.target.bytes_of(r.token_ids[:done]), b""
+        for step in it.steps:
+            draft += step.token_bytes
+            assert step.repeat == repeat_length(prompt_bytes + before + draft)
+            seen.append(step.repeat)
+        done += it.emitted
+    assert seen and max(seen) > 0
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_assistant_prompts_on_the_native_layers_match_its_decode_steps(tokenizers, family):
     """``LeanBody.native_prompts``: a 70-token prompt runs on ``layer.c`` in pieces (here of 24

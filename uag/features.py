@@ -13,6 +13,11 @@ the full lookahead, so in training they sat near 5.5 drafted and ~25 % accepted,
 learned policy they are 1-3 and ~80 %, inputs the classifier never saw (issue 9: a short,
 fully accepted round closed the shipped controller's gate). ``generated`` is bounded at the
 collected horizon for the same reason.
+
+Schema 3 adds ``repeat``: whether the text ending with the drafted token repeats text seen
+earlier. On 30 training prompts (static-6, 4,520 drafted tokens) a token whose last 24 bytes
+occur earlier was accepted 88–96 % of the time whatever the assistant's confidence, one with no
+3-byte repeat 12–43 %: code and lists repeat themselves, and both models follow.
 """
 
 from __future__ import annotations
@@ -26,7 +31,23 @@ import numpy as np
 
 from controllers.base import DraftContext, DraftStep
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+REPEAT_LENGTHS = (3, 6, 12, 24)
+"""Suffix lengths (bytes) ``repeat_length`` looks for earlier in the text."""
+
+
+def repeat_length(text: bytes | bytearray) -> int:
+    """The longest of ``REPEAT_LENGTHS`` whose last that-many bytes of ``text`` also occur
+    earlier in it (0: not even the shortest). A longer repeated suffix contains the shorter ones,
+    so the search stops at the first miss; a few ``find`` calls over the text (~µs)."""
+    found = 0
+    for n in REPEAT_LENGTHS:
+        if len(text) <= n or text.find(text[-n:], 0, len(text) - 1) < 0:
+            break
+        found = n
+    return found
+
 
 GENERATED_HORIZON = 64
 """``generated`` stops growing here: ``uag collect``'s default horizon, beyond which the feature
@@ -115,6 +136,11 @@ FEATURES: tuple[Feature, ...] = (
         lambda s: float(any(c.isdigit() for c in _text(s))),
     ),
     Feature("token_chars", "long tokens carry more text to get wrong", lambda s: len(_text(s))),
+    Feature(
+        "repeat",
+        "the draft repeats earlier text (code, lists): the target tends to repeat it too",
+        lambda s: math.log2(1 + s.repeat),
+    ),
 )
 
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
@@ -132,6 +158,7 @@ GATE_BLANK: tuple[str, ...] = (
     "is_punct",
     "has_digit",
     "token_chars",
+    "repeat",
 )
 """Columns unknown before drafting: zero in a *gate row*, the pre-draft question "will the first
 drafted token be accepted?" that lets a controller skip drafting without an assistant forward."""

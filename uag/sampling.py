@@ -34,6 +34,7 @@ import torch
 from controllers.base import DraftStep, StopPolicy
 from uag.bridge import Bridge, ends_on_char_boundary
 from uag.errors import UagError
+from uag.features import repeat_length
 from uag.runner import CachedLM
 from uag.speculative import (
     MAX_CANDIDATES,
@@ -391,6 +392,8 @@ def speculative_sample(
     reason: StopReason = "max_new_tokens"
     agreement = _Agreement()
     target_vocab = target.vocab_size
+    rich = keep_steps or policy.needs_features  # the ``repeat`` feature reads the prompt's text
+    prompt_bytes = bridge.target.bytes_of(prompt_target_ids) if rich else b""
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         t0 = clock()
@@ -441,6 +444,7 @@ def speculative_sample(
                 min_prob=min_prob,
                 target_tokens=1,
                 context=ctx,
+                repeat=repeat_length(prompt_bytes + a_text.data) if rich else 0,
             )
             if keep_steps:
                 steps.append(step)

@@ -37,6 +37,7 @@ import torch
 
 from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
 from uag.bridge import Bridge, ends_on_char_boundary
+from uag.features import repeat_length
 from uag.kernels import ROWWISE_MAX_ROWS
 from uag.native import draft_stats
 from uag.runner import CachedLM, HeadOutput
@@ -315,6 +316,8 @@ def speculative_generate(
     target_prob = target_entropy = math.nan
     # Target statistics and per-step re-encoding counts cost a little: only when someone reads them.
     rich = keep_steps or policy.needs_features
+    # the prompt's text, for the ``repeat`` feature (only when features are read)
+    prompt_bytes = bridge.target.bytes_of(prompt_target_ids) if rich else b""
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
@@ -371,6 +374,7 @@ def speculative_generate(
                 min_prob=min_prob,
                 target_tokens=target_tokens,
                 context=ctx,
+                repeat=repeat_length(prompt_bytes + a_text.data) if rich else 0,
             )
             steps.append(step)
             t0 = clock()
