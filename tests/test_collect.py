@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import uag
 from controllers.base import DraftContext, DraftStep, IterationOutcome
@@ -393,8 +394,17 @@ def test_on_policy_collection_follows_the_controller_and_explores(tiny_dirs, tmp
     from controllers.learned import LearnedPolicy
     from tests.test_controller import _export
 
+    # a threshold inside this net's scores on the tiny pair's rows: C stops on ~30 % of them
+    probe = tmp_path / "probe"
+    collect(
+        _small_run(tiny_dirs, out=probe, limit=3, max_lookahead=4, max_new_tokens=16),
+        progress=False,
+    )
     ctrl = tmp_path / "c.onnx"
-    _export(ctrl, threshold=0.19, gate=0.0)  # a threshold inside this net's scores on the tiny pair
+    net, _ = _export(ctrl, gate=0.0)
+    with torch.no_grad():
+        scores = net(torch.from_numpy(_read_dir(probe)[list(FEATURE_NAMES)].to_numpy(np.float32)))
+    _export(ctrl, threshold=float(np.quantile(scores.numpy(), 0.3)), gate=0.0)
     out = tmp_path / "run"
     cfg = _small_run(
         tiny_dirs,
