@@ -326,7 +326,7 @@ class LeanBody:
             layers=len(self.layers),
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            dtype=getattr(self, "kv_dtype", self.dtype),
+            dtype=self.kv_dtype,
             device=self.device,
         )
 
@@ -374,10 +374,13 @@ class LeanBody:
         rope = self.rope(positions, hidden.dtype)  # {kind: ([n, d], [n, d])}
         if self.native is not None and (n <= ROWWISE_MAX_ROWS or self.prompts_native):
             hidden, piece = hidden.contiguous(), self.PROMPT_ROWS
-            for lo in range(0, n, piece):  # a long prompt in pieces
-                part = {kind: (c[lo : lo + piece], s[lo : lo + piece])
-                        for kind, (c, s) in rope.items()}  # fmt: skip
-                self.native(hidden[lo : lo + piece], cache, start + lo, part)
+            if n <= piece:  # every decode step and verify: one call, no slicing
+                self.native(hidden, cache, start, rope)
+            else:  # a long prompt in pieces
+                for lo in range(0, n, piece):
+                    part = {kind: (c[lo : lo + piece], s[lo : lo + piece])
+                            for kind, (c, s) in rope.items()}  # fmt: skip
+                    self.native(hidden[lo : lo + piece], cache, start + lo, part)
             cache.length = start + n
             return self.native.norm(hidden, self.final_norm)
         rope = {kind: (cos[:, None, :], sin[:, None, :]) for kind, (cos, sin) in rope.items()}
