@@ -40,6 +40,27 @@ class StaticPolicy:
 
 
 @dataclass
+class NoDraftPolicy:
+    """Never drafts. With prompt lookup (policy ``lookup``) the copied continuations are then
+    the only drafts, and a round without one is a plain target step."""
+
+    name: str = field(default="lookup", init=False)
+    needs_features: ClassVar[bool] = False
+
+    def reset(self) -> None:
+        pass
+
+    def budget(self, ctx: DraftContext) -> int:
+        return 0
+
+    def stop(self, step: DraftStep) -> bool:
+        return True
+
+    def update(self, outcome: IterationOutcome) -> None:
+        pass
+
+
+@dataclass
 class HeuristicPolicy:
     """Transformers' ``heuristic`` schedule: +2 after a fully accepted draft, −1 otherwise, min 1."""
 

@@ -8,30 +8,43 @@ the arms were built: two grammars, and a number the regular expression let throu
 
 Grammar::
 
-    target-only | static[-K] | heuristic[-K] | confidence[-T] | entropy[-T]
-    | learned | learned:PATH.onnx | transformers | oracle
+    target-only | lookup | POLICY[+lookup] | transformers | oracle
+    POLICY := static[-K] | heuristic[-K] | confidence[-T] | entropy[-T]
+              | learned | learned:PATH.onnx
 
 ``K`` is a whole number ≥ 1 (static: tokens per draft; heuristic: the starting lookahead), ``T``
 a number (confidence: stop below this probability, in (0, 1]; entropy: stop above this many
 nats, > 0). ``transformers`` and ``oracle`` are bench arms, not runtime policies.
+``+lookup`` runs prompt lookup (``uag.lookup``) before each round: when the last target tokens
+occurred before, their old continuation is verified and the assistant does not draft that
+round. ``lookup`` alone is prompt lookup without the assistant (a plain target step when
+nothing matches).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from controllers.base import StopPolicy
-from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+from controllers.rules import (
+    ConfidencePolicy,
+    EntropyPolicy,
+    HeuristicPolicy,
+    NoDraftPolicy,
+    StaticPolicy,
+)
 from uag.errors import UagError
+from uag.lookup import PromptLookup
 
 RULES = ("static", "heuristic", "confidence", "entropy")
 """Hand-written rules: built here, with an optional number."""
-KINDS = ("target-only", *RULES, "learned", "transformers", "oracle")
+KINDS = ("target-only", *RULES, "learned", "transformers", "oracle", "lookup")
+LOOKUP = "+lookup"
 GRAMMAR = (
     "target-only, static[-K], heuristic[-K], confidence[-T], entropy[-T], learned, "
-    "learned:PATH.onnx, transformers, oracle"
+    "learned:PATH.onnx, lookup, transformers, oracle; a drafting policy may end in +lookup"
 )
 DEFAULTS = {"static": 3, "heuristic": 5, "confidence": 0.4, "entropy": 1.5}
 """A rule's number when the spec gives none (and no flag does)."""
@@ -42,23 +55,30 @@ RULE_CAP = 20
 @dataclass(frozen=True)
 class PolicySpec:
     """A parsed policy name: its ``kind``, the rule's ``number`` if written, a controller
-    ``path`` for ``learned:PATH``."""
+    ``path`` for ``learned:PATH``, and whether prompt lookup runs first (``lookup``)."""
 
     kind: str
     number: float | None = None
     path: Path | None = None
+    lookup: bool = False
 
     def __str__(self) -> str:
+        suffix = LOOKUP if self.lookup and self.kind != "lookup" else ""
         if self.path is not None:
-            return f"learned:{self.path}"
+            return f"learned:{self.path}{suffix}"
         if self.number is None:
-            return self.kind
+            return self.kind + suffix
         number = int(self.number) if self.kind in ("static", "heuristic") else self.number
-        return f"{self.kind}-{number}"
+        return f"{self.kind}-{number}{suffix}"
 
     @property
     def is_rule(self) -> bool:
-        return self.kind in RULES
+        """``build`` makes its policy (a hand-written rule, or ``lookup``'s no-draft one)."""
+        return self.kind in RULES or self.kind == "lookup"
+
+    def make_lookup(self) -> PromptLookup | None:
+        """A fresh prompt lookup for this spec's runs, or None without ``+lookup``."""
+        return PromptLookup() if self.lookup else None
 
     def build(self, *, lookahead: int | None = None, threshold: float | None = None) -> StopPolicy:
         """The rule this spec names. ``lookahead`` / ``threshold`` are ``uag generate``'s flags:
@@ -66,6 +86,10 @@ class PolicySpec:
         other), for confidence and entropy it caps the draft."""
         if not self.is_rule:
             raise UagError(f"{self} is not a rule policy: build it where its model or file is")
+        if self.kind == "lookup":
+            if lookahead is not None or threshold is not None:
+                raise UagError("--lookahead and --threshold do not apply to the lookup policy")
+            return NoDraftPolicy()
         if self.kind in ("static", "heuristic"):
             if threshold is not None:
                 raise UagError(f"--threshold does not apply to the {self.kind} policy")
@@ -94,6 +118,16 @@ def _check_threshold(kind: str, value: float) -> None:
 def parse_policy(text: str) -> PolicySpec:
     """``text`` → ``PolicySpec``, or a one-line ``UagError`` saying what is wrong."""
     spec = text.strip()
+    if spec.endswith(LOOKUP):
+        inner = parse_policy(spec[: -len(LOOKUP)])
+        if not (inner.is_rule or inner.kind == "learned") or inner.kind == "lookup":
+            raise UagError(
+                f"policy {spec!r}: {LOOKUP} goes with a drafting policy (static, heuristic, "
+                "confidence, entropy, learned); 'lookup' alone is prompt lookup without drafts"
+            )
+        return replace(inner, lookup=True)
+    if spec == "lookup":
+        return PolicySpec("lookup", lookup=True)
     if spec.startswith("learned:"):
         path = spec.split(":", 1)[1]
         if not path.endswith(".onnx"):

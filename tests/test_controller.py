@@ -216,12 +216,13 @@ def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
         target=tiny_dirs[0],
         assistant=tiny_dirs[1],
         max_new_tokens=12,
-        policies="target-only,static-2,oracle",
+        policies="target-only,static-2,static-2+lookup,oracle",
         progress=False,
     )
     report = run_bench(cfg, extra_arms={"broken": broken})
     by_name = {p.name: p for p in report.policies}
-    assert by_name["static-2"].identical
+    assert by_name["static-2"].identical and by_name["static-2+lookup"].identical
+    assert by_name["static-2+lookup"].predicted is not None  # replayed with its lookup
     assert not by_name["broken"].identical
     assert by_name["oracle"].simulated and by_name["oracle"].interval is None
     # The oracle drafts exactly what is accepted: no stop rule replays faster (it may still lose

@@ -26,6 +26,7 @@ from uag.kernels import (
     resolve_kernels,
     swap_linears,
 )
+from uag.lookup import PromptLookup
 from uag.models import (
     DEFAULT_ASSISTANT,
     DEFAULT_TARGET,
@@ -328,11 +329,13 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     keep_steps: bool = False,
     sampling: SamplingConfig | None = None,
+    lookup: PromptLookup | None = None,
 ) -> GenerationResult:
     """Greedy generation, or sampling with ``sampling``; ``policy=None`` runs the target alone
     (the reference: the same output when greedy, the same distribution when sampling).
 
-    ``on_text`` receives decoded text as it is accepted (whole characters only).
+    ``on_text`` receives decoded text as it is accepted (whole characters only). ``lookup``
+    (greedy only) verifies copied continuations before drafting (``uag.lookup``).
     """
     text_prompt = render_prompt(pair, _check_prompt(prompt), chat=chat)
     if max_new_tokens < 1:
@@ -345,6 +348,10 @@ def generate(
         policy = StaticPolicy(k=3)
     if isinstance(policy, str):
         raise UagError(f"policy must be a StopPolicy or None, got the string {policy!r}")
+    if lookup is not None and (policy is None or sampling is not None):
+        raise UagError(
+            "prompt lookup runs in the speculative greedy loop: not with sampling or target-only"
+        )
     target_ids, assistant_ids = encode_prompt(pair, text_prompt)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
@@ -394,6 +401,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             on_tokens=stream,
             keep_steps=keep_steps,
+            lookup=lookup,
         )
     seconds = time.perf_counter() - started
     if stream:
@@ -404,9 +412,17 @@ def generate(
         prompt_tokens=len(target_ids),
         stop_reason=out.stop_reason,
         seconds=seconds,
-        policy=policy.name if policy is not None else "target-only",
+        policy=_arm_name(policy, lookup),
         iterations=out.iterations,
     )
+
+
+def _arm_name(policy: StopPolicy | None, lookup: PromptLookup | None) -> str:
+    if policy is None:
+        return "target-only"
+    if lookup is None or policy.name == "lookup":
+        return policy.name
+    return f"{policy.name}+lookup"
 
 
 class _Streamer:

@@ -43,6 +43,7 @@ from uag.distribution import (
 )
 from uag.errors import UagError
 from uag.jobs import RunConfig
+from uag.lookup import PromptLookup
 from uag.sampling import SamplingConfig
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
@@ -302,9 +303,21 @@ def parse_policies(text: str) -> list[str]:
     return [str(s) for s in parse_policy_list(text)]
 
 
+@dataclass(frozen=True)
+class ArmPolicy:
+    """How a uag speculative arm drafts: its policy factory, and whether prompt lookup runs
+    before each round (``+lookup``). Exact replay runs the same."""
+
+    make: Callable[[], Any]
+    lookup: bool = False
+
+    def make_lookup(self) -> PromptLookup | None:
+        return PromptLookup() if self.lookup else None
+
+
 def _uag_arm(
     pair: Any,
-    policy_factory: Callable[[], Any] | None,
+    arm_policy: ArmPolicy | None,
     *,
     chat: bool,
     sampling: SamplingConfig | None = None,
@@ -312,11 +325,11 @@ def _uag_arm(
     import uag
 
     def run(prompt: str, n: int, seed: int | None) -> ArmRun:
-        policy = policy_factory() if policy_factory else None
         res = uag.generate(
             pair,
             prompt,
-            policy=policy,
+            policy=arm_policy.make() if arm_policy else None,
+            lookup=arm_policy.make_lookup() if arm_policy else None,
             max_new_tokens=n,
             chat=chat,
             sampling=None if sampling is None else replace(sampling, seed=seed),
@@ -409,7 +422,7 @@ def build_arms(
     cfg: BenchConfig,
     *,
     prompt_ids: list[str] | None = None,
-    policies: dict[str, Callable[[], Any]] | None = None,
+    policies: dict[str, ArmPolicy] | None = None,
 ) -> dict[str, Arm]:
     """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
     any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
@@ -421,6 +434,8 @@ def build_arms(
         spec = parse_policy(name)
         if spec.kind == "oracle":
             continue
+        if spec.lookup and cfg.sampling is not None:
+            raise UagError(f"policy {name}: prompt lookup is greedy only, not with --sample")
         factory: Callable[[], Any] | None
         if spec.kind == "target-only":
             factory = None
@@ -443,9 +458,10 @@ def build_arms(
             continue
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")
-        arms[name] = _uag_arm(pair, factory, chat=cfg.chat, sampling=cfg.sampling)
-        if factory is not None and policies is not None:
-            policies[name] = factory
+        arm_policy = None if factory is None else ArmPolicy(make=factory, lookup=spec.lookup)
+        arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
+        if arm_policy is not None and policies is not None:
+            policies[name] = arm_policy
     return arms
 
 
@@ -518,7 +534,7 @@ def _exact_predictions(
     pair: Any,
     prompts: list[Any],
     cfg: BenchConfig,
-    policies: dict[str, Callable[[], Any]],
+    policies: dict[str, ArmPolicy],
     profile: Any,
 ) -> dict[str, tuple[float, int, float]]:
     """Exact replay per uag arm (``uag.dryrun``): one recorded target-alone run per prompt,
@@ -534,10 +550,15 @@ def _exact_predictions(
         target_ids, assistant_ids = _encoded(pair, p.text, chat=cfg.chat)
         trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
         traces.append(trace)
-        for name, make in policies.items():
+        for name, arm in policies.items():
             runs[name].append(
                 dryrun.replay(
-                    pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
+                    pair,
+                    trace,
+                    arm.make(),
+                    prompt_assistant_ids=assistant_ids,
+                    profile=profile,
+                    lookup=arm.make_lookup(),
                 )
             )
     out = {
@@ -572,7 +593,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         cfg = replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
-    policies: dict[str, Callable[[], Any]] = {}
+    policies: dict[str, ArmPolicy] = {}
     arms = build_arms(names, pair, cfg, prompt_ids=[p.id for p in prompts], policies=policies)
     arms.update(extra_arms or {})
     results = {name: PolicyResult(name) for name in arms}

@@ -173,8 +173,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         default=None,
         help="how far to draft each round: static[-K], heuristic[-K], confidence[-T], "
-        "entropy[-T], learned (with --controller) or target-only; the same names as "
-        "uag bench --policies (default: learned with --controller, else static)",
+        "entropy[-T], learned (with --controller) or target-only; ending in +lookup "
+        "(e.g. learned+lookup), each round first tries prompt lookup: when the last target "
+        "tokens occurred before, what followed them is verified instead of drafting; lookup "
+        "alone uses no assistant drafts. The same names as uag bench --policies (default: "
+        "learned with --controller, else static)",
     )
     p.add_argument(
         "--controller",
@@ -326,6 +329,9 @@ def run_generate(args: argparse.Namespace) -> int:
     policy = learned or (
         spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
     )
+    if spec.lookup and sampling is not None:
+        raise UagError(f"--policy {spec}: prompt lookup is greedy only, not with --sample")
+    lookup = spec.make_lookup()
     pair = uag.load_pair(
         args.target,
         args.assistant,
@@ -349,7 +355,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.compare_target_only:
         # Warm both arms up (allocator, thread pools, kernels) outside the measured runs.
         uag.generate(pair, prompt, policy=None, **{**common, "max_new_tokens": 4})
-        uag.generate(pair, prompt, policy=policy, **{**common, "max_new_tokens": 4})
+        uag.generate(pair, prompt, policy=policy, lookup=lookup, **{**common, "max_new_tokens": 4})
         reference = uag.generate(pair, prompt, policy=None, **common)
 
     def stream(piece: str) -> None:
@@ -357,14 +363,19 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     result = uag.generate(
-        pair, prompt, policy=policy, on_text=None if args.json else stream, **common
+        pair,
+        prompt,
+        policy=policy,
+        lookup=lookup,
+        on_text=None if args.json else stream,
+        **common,
     )
     identical = True
     if reference is not None:
         # One more run of each arm, alternating, and the faster of each: a single run of a few
         # seconds moves by several percent on a shared CPU.
         ref2 = uag.generate(pair, prompt, policy=None, **common)
-        res2 = uag.generate(pair, prompt, policy=policy, **common)
+        res2 = uag.generate(pair, prompt, policy=policy, lookup=lookup, **common)
         identical = all(r.token_ids == reference.token_ids for r in (ref2, result, res2))
         reference = min(reference, ref2, key=lambda r: r.seconds)
         result = min(result, res2, key=lambda r: r.seconds)
@@ -736,6 +747,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="comma-separated: target-only, static[-K], heuristic[-K], confidence[-T], "
         "entropy[-T] (the same names as uag generate --policy), transformers, learned "
         "(--controller's), learned:PATH.onnx (another controller, to compare two in one run), "
+        "lookup (prompt lookup, no assistant), any drafting policy + lookup (static-3+lookup), "
         "oracle (simulated; it also makes the run predict every uag greedy arm by exact replay, "
         "printed beside its measurement) "
         f"(default: {DEFAULT_POLICIES}; with --sample: "

@@ -25,6 +25,7 @@ import torch
 
 from controllers.base import StopPolicy
 from uag.latency import LatencyProfile
+from uag.lookup import PromptLookup
 from uag.runner import CachedLM
 from uag.speculative import IterationRecord, speculative_generate, target_only_loop
 
@@ -148,6 +149,7 @@ def replay(
     *,
     prompt_assistant_ids: Sequence[int],
     profile: LatencyProfile,
+    lookup: PromptLookup | None = None,
 ) -> ReplayRun:
     """The loop's rounds for ``policy`` on the recorded prompt. The output is the record's by
     construction, so nothing here can tell a record of another target: make it with
@@ -162,6 +164,7 @@ def replay(
         prompt_assistant_ids=prompt_assistant_ids,
         policy=policy,
         max_new_tokens=len(trace.ids),
+        lookup=lookup,
     )
     first = next((r for r in out.iterations if r.drafted), None)
     extra = 0.0 if first is None else first.first_draft_s - profile.draft_s - profile.catchup_s

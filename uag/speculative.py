@@ -39,6 +39,7 @@ from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPoli
 from uag.bridge import Bridge, ends_on_char_boundary
 from uag.features import repeat_length
 from uag.kernels import ROWWISE_MAX_ROWS
+from uag.lookup import PromptLookup
 from uag.native import draft_stats
 from uag.runner import CachedLM, HeadOutput
 
@@ -83,6 +84,8 @@ class IterationRecord:
     it and every draft before it are accepted (``uag.sampling.expected_acceptance``)."""
     accept_rates: tuple[float, ...] = field(default=(), repr=False)
     """Sampling with ``keep_steps``: per drafted token, Σ min(p, q) at its position."""
+    lookup: bool = False
+    """The candidates were copied by prompt lookup (``uag.lookup``): nothing was drafted."""
 
 
 @dataclass
@@ -300,8 +303,13 @@ def speculative_generate(
     max_new_tokens: int,
     on_tokens: OnTokens | None = None,
     keep_steps: bool = False,
+    lookup: PromptLookup | None = None,
 ) -> LoopOutput:
-    """Greedy UAG: token-for-token what ``target_only_generate`` returns, in fewer target passes."""
+    """Greedy UAG: token-for-token what ``target_only_generate`` returns, in fewer target passes.
+
+    With ``lookup``, a round whose last target tokens occurred before verifies the copied
+    continuation instead of drafting (the policy is not asked; the assistant catches up later).
+    """
     clock = time.perf_counter
     start_time = clock()
     policy.reset()
@@ -318,11 +326,18 @@ def speculative_generate(
     rich = keep_steps or policy.needs_features
     # the prompt's text, for the ``repeat`` feature (only when features are read)
     prompt_bytes = bridge.target.bytes_of(prompt_target_ids) if rich else b""
+    if lookup is not None:
+        lookup.reset()
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
-        # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
+        # 0. prompt lookup: a copied continuation, when the last target tokens occurred before.
         round_start = t0 = clock()
-        a_text.sync(bridge, text)
+        proposal: list[int] = []
+        if lookup is not None and target.cached and room > 1:
+            proposal, _ = lookup.propose(target.ids, limit=min(room - 1, MAX_CANDIDATES))
+        # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
+        if not proposal:
+            a_text.sync(bridge, text)
         text_complete = ends_on_char_boundary(text)
         bridge_s = clock() - t0
 
@@ -336,7 +351,8 @@ def speculative_generate(
         )
         t0 = clock()
         # The first round prefills the prompt alone, exactly as target-alone does.
-        budget = policy.budget(ctx) if text_complete and room > 1 and target.cached else 0
+        drafting = text_complete and room > 1 and target.cached and not proposal
+        budget = policy.budget(ctx) if drafting else 0
         policy_s = clock() - t0
         if assistant.cached == len(assistant.ids):
             budget = 0  # nothing new to feed: no fresh logits to draft from (rare)
@@ -387,7 +403,9 @@ def speculative_generate(
         # with features on, the last step's own re-encoding (nothing was appended since: an EOS
         # draft is not kept), a tokenizer call fewer per round (~0.35 ms, caches cold).
         t0 = clock()
-        if not steps:
+        if proposal:
+            candidates = proposal
+        elif not steps:
             candidates = []
         elif drafted_ids is not None:
             candidates = drafted_ids
@@ -432,7 +450,8 @@ def speculative_generate(
         outcome = agreement.settle(a_text, text, committed=committed, drafted=len(steps))
         bridge_s += clock() - t0
         t0 = clock()
-        policy.update(outcome)
+        if not proposal:  # the policy was not asked this round
+            policy.update(outcome)
         policy_s += clock() - t0
         records.append(
             IterationRecord(
@@ -449,6 +468,7 @@ def speculative_generate(
                 recomputed=int(alone is not None),
                 first_draft_s=first_draft_s,
                 round_s=clock() - round_start,
+                lookup=bool(proposal),
             )
         )
         if hit_eos:

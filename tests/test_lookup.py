@@ -1,0 +1,235 @@
+"""Prompt lookup: what it proposes, and that the loop stays lossless when it drafts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import uag
+from controllers.rules import NoDraftPolicy, StaticPolicy
+from controllers.spec import PolicySpec, parse_policy
+from tests.nasty import NASTY_PROMPTS
+from tests.tiny import cross_pair, same_tokenizer_pair
+from uag.errors import UagError
+from uag.lookup import PromptLookup
+
+
+def brute_force(ids: list[int], *, max_ngram: int, min_ngram: int, limit: int):
+    """The definition, by scanning: longest tail first, its latest earlier occurrence."""
+    end = len(ids)
+    for n in range(min(max_ngram, end), min_ngram - 1, -1):
+        for start in range(end - 1, n - 1, -1):  # start: where the continuation begins
+            if ids[start - n : start] == ids[end - n :]:
+                out: list[int] = []
+                for i in range(limit):
+                    j = start + i
+                    out.append(ids[j] if j < end else out[j - end])
+                return out, n
+    return [], 0
+
+
+def test_latest_occurrence_of_the_longest_tail():
+    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=4)
+    #        0  1  2  3  4  5  6  7  8  9
+    ids = [5, 1, 2, 9, 1, 2, 7, 8, 3, 1]
+    # tail (3, 1) never occurred before; tail (1,) last continued at index 5 (after "9 1")
+    assert lk.propose(ids, limit=4) == ([2, 7, 8, 3], 1)
+    ids += [2]  # tail (3, 1, 2) is new, (1, 2) last continued at index 6
+    assert lk.propose(ids, limit=4) == ([7, 8, 3, 1], 2)
+
+
+def test_nothing_matches_and_limits():
+    lk = PromptLookup(max_ngram=3, min_ngram=2, max_tokens=3)
+    assert lk.propose([1, 2, 3, 4], limit=5) == ([], 0)  # no 2-gram repeats
+    lk.reset()
+    assert lk.propose([1, 2, 3, 1, 2], limit=5) == ([3, 1, 2], 2)  # max_tokens caps it
+    lk.reset()
+    assert lk.propose([1, 2, 3, 1, 2], limit=1) == ([3], 2)
+    lk.reset()
+    assert lk.propose([1, 2, 3, 1, 2], limit=0) == ([], 0)
+
+
+def test_a_copy_that_runs_into_the_present_repeats_its_period():
+    lk = PromptLookup(max_ngram=2, min_ngram=1, max_tokens=7)
+    assert lk.propose([4, 7, 8, 7, 8], limit=7) == ([7, 8, 7, 8, 7, 8, 7], 2)
+    lk.reset()
+    assert lk.propose([3, 3], limit=3) == ([3, 3, 3], 1)
+
+
+def test_incremental_index_equals_the_definition():
+    rng = random.Random(0)
+    for trial in range(40):
+        ids = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        lk = PromptLookup(max_ngram=3, min_ngram=1 + trial % 2, max_tokens=5)
+        for _ in range(30):  # grow as the loop does: several ids at a time
+            assert lk.propose(ids, limit=5) == brute_force(
+                ids, max_ngram=3, min_ngram=lk.min_ngram, limit=5
+            ), ids
+            ids = ids + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_shrinking_ids_and_bad_settings_are_refused():
+    lk = PromptLookup()
+    lk.propose([1, 2, 3], limit=2)
+    with pytest.raises(ValueError, match="reset"):
+        lk.propose([1, 2], limit=2)
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(min_ngram=3, max_ngram=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        PromptLookup(max_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def cross(tokenizers):
+    return cross_pair(tokenizers)
+
+
+REPEATING = "one two three one two three one two three one two"
+
+
+@pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
+def test_lookup_is_lossless_on_nasty_prompts(cross, name):
+    """Copied candidates go through the same verify: the output is the target's own."""
+    prompt = NASTY_PROMPTS[name] + "\n" + NASTY_PROMPTS[name]  # something to copy
+    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=24)
+    for policy in (StaticPolicy(k=3), NoDraftPolicy()):
+        out = uag.generate(cross, prompt, policy=policy, lookup=PromptLookup(), max_new_tokens=24)
+        assert out.token_ids == ref.token_ids
+        assert out.text == ref.text
+
+
+def test_lookup_rounds_draft_nothing_and_save_forwards(tokenizers):
+    """An exact assistant on a repeating prompt: lookup rounds copy, assistant rounds draft,
+    both are accepted, and every round's record adds up."""
+    pair = same_tokenizer_pair(tokenizers, noise=0.0)
+    ref = uag.generate(pair, REPEATING, policy=None, max_new_tokens=40)
+    out = uag.generate(
+        pair, REPEATING, policy=StaticPolicy(k=2), lookup=PromptLookup(), max_new_tokens=40
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.policy == "static-2+lookup"
+    looked = [r for r in out.iterations if r.lookup]
+    assert looked, "the prompt repeats: some round must copy"
+    assert all(r.drafted == 0 and r.candidates > 0 for r in looked)
+    assert sum(r.emitted for r in out.iterations) == out.new_tokens
+    assert all(r.accepted_candidates <= r.candidates for r in out.iterations)
+
+
+def test_lookup_alone_never_drafts(cross):
+    prompt = "ab ab ab ab ab ab"
+    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=30)
+    out = uag.generate(
+        cross, prompt, policy=NoDraftPolicy(), lookup=PromptLookup(), max_new_tokens=30
+    )
+    assert out.token_ids == ref.token_ids
+    assert out.drafted_tokens == 0
+    assert out.policy == "lookup"
+    assert any(r.lookup for r in out.iterations)
+    assert all(r.candidates == 0 for r in out.iterations if not r.lookup)
+
+
+def test_the_assistant_catches_up_after_lookup_rounds(tokenizers):
+    """Rounds that copy leave the assistant behind; the next drafting round feeds it the text
+    it missed, so its drafts continue the real text (an exact assistant stays all-accepted)."""
+    pair = same_tokenizer_pair(tokenizers, noise=0.0)
+    out = uag.generate(
+        pair, REPEATING, policy=StaticPolicy(k=3), lookup=PromptLookup(), max_new_tokens=60
+    )
+    after_lookup = [
+        r
+        for prev, r in zip(out.iterations[:-1], out.iterations[1:], strict=True)
+        if prev.lookup and r.drafted
+    ]
+    assert after_lookup
+    assert all(r.accepted_drafts == r.drafted for r in after_lookup)
+
+
+def test_lookup_is_refused_where_it_does_not_apply(cross):
+    from uag.sampling import SamplingConfig
+
+    with pytest.raises(UagError, match="greedy"):
+        uag.generate(
+            cross,
+            "a",
+            policy=NoDraftPolicy(),
+            lookup=PromptLookup(),
+            sampling=SamplingConfig(temperature=1.0, seed=0),
+            max_new_tokens=3,
+        )
+    with pytest.raises(UagError, match="target-only"):
+        uag.generate(cross, "a", policy=None, lookup=PromptLookup(), max_new_tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("lookup", PolicySpec("lookup", lookup=True)),
+        ("static-3+lookup", PolicySpec("static", number=3, lookup=True)),
+        ("learned+lookup", PolicySpec("learned", lookup=True)),
+        ("confidence-0.6+lookup", PolicySpec("confidence", number=0.6, lookup=True)),
+    ],
+)
+def test_lookup_specs_round_trip(text, spec):
+    assert parse_policy(text) == spec
+    assert str(spec) == text
+    assert parse_policy(str(spec)) == spec
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "target-only+lookup",
+        "lookup+lookup",
+        "oracle+lookup",
+        "transformers+lookup",
+        "lookup-3",
+        "static-3+look",
+    ],
+)
+def test_bad_lookup_specs_are_one_clear_error(text):
+    with pytest.raises(UagError):
+        parse_policy(text)
+
+
+def test_lookup_spec_builds_a_policy_that_never_drafts():
+    spec = parse_policy("lookup")
+    assert isinstance(spec.build(), NoDraftPolicy)
+    assert isinstance(spec.make_lookup(), PromptLookup)
+    assert parse_policy("static-2").make_lookup() is None
+    with pytest.raises(UagError, match="lookahead"):
+        spec.build(lookahead=3)
+
+
+def test_exact_replay_copies_the_same_rounds():
+    """Lookup proposals depend only on the target's text, so exact replay (``uag.dryrun``)
+    reproduces the loop's rounds with lookup too: copied, drafted, skipped, one by one."""
+    from tests.test_dryrun import ROUND_FIELDS, _ids
+    from tests.toy import toy_pair
+    from uag import dryrun
+    from uag.latency import LatencyProfile
+
+    pair = toy_pair(noise=0.3)
+    profile = LatencyProfile(device="cpu:test", draft_s=0.01, verify_s=(0.05, 0.06))
+    looked = 0
+    for prompt in ("the cat sat on the mat, the cat sat on", "def f(x):\n    x = x\n    x"):
+        target_ids, assistant_ids = _ids(pair, prompt)
+        trace = dryrun.record_trace(pair, target_ids, 30)
+        for make in (lambda: StaticPolicy(k=2), NoDraftPolicy):
+            live = uag.generate(
+                pair, prompt, policy=make(), lookup=PromptLookup(), max_new_tokens=30
+            )
+            run = dryrun.replay(
+                pair,
+                trace,
+                make(),
+                prompt_assistant_ids=assistant_ids,
+                profile=profile,
+                lookup=PromptLookup(),
+            )
+            fields = ("lookup", *ROUND_FIELDS)
+            assert [tuple(getattr(r, f) for f in fields) for r in run.records] == [
+                tuple(getattr(r, f) for f in fields) for r in live.iterations
+            ]
+            looked += sum(r.lookup for r in run.records)
+    assert looked > 0
