@@ -157,7 +157,7 @@ def parse_policy_list(text: str) -> list[PolicySpec]:
     checked against it. A rule without its number gets the default one written out
     (``entropy`` → ``entropy-1.5``, the arm's name). A policy listed twice is an error."""
     specs = [
-        PolicySpec(s.kind, number=DEFAULTS[s.kind]) if s.is_rule and s.number is None else s
+        replace(s, number=DEFAULTS[s.kind]) if s.kind in RULES and s.number is None else s
         for s in (parse_policy(t) for t in text.split(",") if t.strip())
     ]
     if not specs:

@@ -146,17 +146,6 @@ def test_the_assistant_catches_up_after_lookup_rounds(tokenizers):
 
 
 def test_lookup_is_refused_where_it_does_not_apply(cross):
-    from uag.sampling import SamplingConfig
-
-    with pytest.raises(UagError, match="greedy"):
-        uag.generate(
-            cross,
-            "a",
-            policy=NoDraftPolicy(),
-            lookup=PromptLookup(),
-            sampling=SamplingConfig(temperature=1.0, seed=0),
-            max_new_tokens=3,
-        )
     with pytest.raises(UagError, match="target-only"):
         uag.generate(cross, "a", policy=None, lookup=PromptLookup(), max_new_tokens=3)
 
@@ -233,3 +222,10 @@ def test_exact_replay_copies_the_same_rounds():
             ]
             looked += sum(r.lookup for r in run.records)
     assert looked > 0
+
+
+def test_lookup_arms_in_a_policy_list():
+    from controllers.spec import parse_policy_list
+
+    names = [str(s) for s in parse_policy_list("lookup,static+lookup,entropy+lookup,learned")]
+    assert names == ["target-only", "lookup", "static-3+lookup", "entropy-1.5+lookup", "learned"]

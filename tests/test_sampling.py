@@ -11,11 +11,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from controllers.rules import StaticPolicy
+from controllers.rules import NoDraftPolicy, StaticPolicy
 from uag.api import encode_prompt
 from uag.bridge import token_bytes_table
 from uag.errors import UagError
+from uag.lookup import PromptLookup
 from uag.sampling import (
+    PointQ,
     SamplingConfig,
     expected_acceptance,
     processed_probs,
@@ -106,6 +108,45 @@ def test_a_broken_acceptance_rule_fails_the_same_test():
         )
 
     counts, expected = _sample_two(accept_by_target_only, 0, 20_000)
+    assert _fits(counts, expected, 20_000) < P_MIN
+
+
+def _sample_copied(rule, seed: int, n: int) -> tuple[dict, dict[tuple, float]]:
+    """``n`` verifications of one fixed copied draft (prompt lookup: ``PointQ``, all mass on
+    the copy) through ``rule``; counts of the first two emitted tokens."""
+    p1, p2, _, _ = _toy(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    d1, d2 = int(p1.argmax()), int(p2[int(p1.argmax())].argmin())  # one likely, one unlikely
+    counts: dict[tuple, int] = {}
+    for _ in range(n):
+
+        def p_row(i: int) -> torch.Tensor:
+            return p1 if i == 0 else p2[d1] if i == 1 else p2[d2]
+
+        emitted, _ = rule(
+            draft=[d1, d2], q_rows=[PointQ(d1, 8), PointQ(d2, 8)], p_row=p_row, gen=gen
+        )
+        if len(emitted) == 1:
+            emitted = [emitted[0], int(torch.multinomial(p2[emitted[0]], 1, generator=gen))]
+        key = (emitted[0], emitted[1])
+        counts[key] = counts.get(key, 0) + 1
+    expected = {(a, b): float(p1[a] * p2[a][b]) for a in range(8) for b in range(8)}
+    return counts, expected
+
+
+def test_a_copied_draft_keeps_the_target_distribution():
+    """A copied token is kept with probability p (q puts all its mass on it) and a rejection
+    samples p without it: the emitted tokens follow p. Accepting copies outright fails."""
+
+    def accept_copies(*, draft, q_rows, p_row, gen):
+        return verify_draft(
+            draft=draft, q_rows=[p_row(i) for i in range(len(draft))], p_row=p_row, gen=gen
+        )
+
+    for seed in (0, 1):
+        counts, expected = _sample_copied(verify_draft, seed, 20_000)
+        assert _fits(counts, expected, 20_000) > P_MIN
+    counts, expected = _sample_copied(accept_copies, 0, 20_000)
     assert _fits(counts, expected, 20_000) < P_MIN
 
 
@@ -253,10 +294,11 @@ def _exact_three(pair, prompt: list[int], cfg: SamplingConfig):
     return out
 
 
-def _run_many(pair, prompt_t, prompt_a, cfg, seeds):
-    """Seeded speculative runs, one per seed; counts of their first three tokens."""
+def _run_many(pair, prompt_t, prompt_a, cfg, seeds, policy=None, lookup=False):
+    """Seeded speculative runs, one per seed; counts of their first three tokens, drafted and
+    accepted candidates, and candidates copied by prompt lookup (``lookup``)."""
     counts: dict[tuple, int] = {}
-    drafted = accepted = 0
+    drafted = accepted = copied = 0
     for i in seeds:
         run = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=i)
         out: LoopOutput = speculative_sample(
@@ -267,24 +309,48 @@ def _run_many(pair, prompt_t, prompt_a, cfg, seeds):
             target_eos=frozenset(),
             prompt_target_ids=prompt_t,
             prompt_assistant_ids=prompt_a,
-            policy=StaticPolicy(k=2),
+            policy=policy or StaticPolicy(k=2),
             max_new_tokens=4,
             sampling=run,
+            lookup=PromptLookup() if lookup else None,
         )
         drafted += sum(r.drafted for r in out.iterations)
         accepted += sum(r.accepted_candidates for r in out.iterations)
+        copied += sum(r.candidates for r in out.iterations if r.lookup)
         key = tuple(out.ids[:3])
         counts[key] = counts.get(key, 0) + 1
-    return counts, drafted, accepted
+    return counts, drafted, accepted, copied
 
 
-def _toy_runs(job: tuple[str, bool, range]):
-    """A worker process's share of ``_run_many`` on its own (identical, seeded) toy pair."""
-    prompt, ascii_only, seeds = job
+def _toy_runs(job: tuple[str | list[int], bool, range, bool]):
+    """A worker process's share of ``_run_many`` on its own (identical, seeded) toy pair;
+    the prompt as text, or as target ids (the assistant gets their text)."""
+    prompt, ascii_only, seeds, lookup = job
     torch.set_num_threads(1)
     pair = toy_pair(ascii_only=ascii_only)
-    prompt_t, prompt_a = encode_prompt(pair, prompt)
-    return _run_many(pair, prompt_t, prompt_a, TOY_SAMPLING, seeds)
+    if isinstance(prompt, str):
+        prompt_t, prompt_a = encode_prompt(pair, prompt)
+    else:
+        prompt_t = prompt
+        prompt_a = encode_prompt(pair, pair.target.tokenizer.decode(prompt[1:]))[1]
+    policy = NoDraftPolicy() if lookup else None
+    return _run_many(pair, prompt_t, prompt_a, TOY_SAMPLING, seeds, policy, lookup)
+
+
+def _pooled_runs(prompt: str | list[int], ascii_only: bool, n: int, *, lookup: bool = False):
+    """``_run_many`` over seeds 1000.. in two processes (CI has two cores; the runs are
+    python-bound and independent): the counts are exactly the serial loop's."""
+    import multiprocessing
+
+    halves = [range(1000, 1000 + n // 2), range(1000 + n // 2, 1000 + n)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        parts = pool.map(_toy_runs, [(prompt, ascii_only, h, lookup) for h in halves])
+    counts: dict[tuple, int] = {}
+    for part, *_ in parts:
+        for key, c in part.items():
+            counts[key] = counts.get(key, 0) + c
+    drafted, accepted, copied = (sum(part[i] for part in parts) for i in (1, 2, 3))
+    return counts, drafted, accepted, copied
 
 
 TOY_SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
@@ -304,8 +370,6 @@ def test_speculative_sampling_matches_the_target_on_toy_models(prompt, ascii_onl
     bridge carries incomplete UTF-8 both ways, and the intersection leaves many target tokens
     to the residual: the case the real pair's small negative log-probability differences
     pointed at."""
-    import multiprocessing
-
     pair = toy_pair(ascii_only=ascii_only)
     prompt_t, _ = encode_prompt(pair, prompt)
     expected = _exact_three(pair, prompt_t, TOY_SAMPLING)
@@ -313,19 +377,28 @@ def test_speculative_sampling_matches_the_target_on_toy_models(prompt, ascii_onl
     wide = sum(v for k, v in expected.items() if any(max(table[t], default=0) > 127 for t in k))
     assert (wide == 0) if ascii_only else (wide > 0.5)
     n = 20_000
-    # The runs are python-bound and independent: two processes (CI has two cores) each take
-    # half the seeds; the counts are exactly the serial loop's.
-    halves = [range(1000, 1000 + n // 2), range(1000 + n // 2, 1000 + n)]
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        parts = pool.map(_toy_runs, [(prompt, ascii_only, h) for h in halves])
-    counts: dict[tuple, int] = {}
-    for part, _, _ in parts:
-        for key, c in part.items():
-            counts[key] = counts.get(key, 0) + c
-    drafted = sum(d for _, d, _ in parts)
-    accepted = sum(a for _, _, a in parts)
+    counts, drafted, accepted, _ = _pooled_runs(prompt, ascii_only, n)
     assert drafted >= n  # round 2 drafts two tokens in nearly every run
     assert n // 4 < accepted < drafted  # both paths exercised: acceptances and rejections
+    assert _fits(counts, expected, n) > P_MIN
+
+
+def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models():
+    """The whole loop with prompt lookup as the only drafter, on a prompt that ends in the
+    toy target's own greedy loop (so sampled tokens often occurred before): rounds verify
+    copied tokens, accepted and rejected, and the first three tokens still follow the
+    target's exact joint."""
+    pair = toy_pair(ascii_only=True)
+    prompt_t, _ = encode_prompt(pair, "ab ab")
+    lm = pair.target_lm
+    for _ in range(40):
+        lm.reset(prompt_t, rollback=False)
+        prompt_t = [*prompt_t, lm.greedy(lm.forward()[-1:]).ids[0]]
+    expected = _exact_three(pair, prompt_t, TOY_SAMPLING)
+    n = 20_000
+    counts, drafted, accepted, copied = _pooled_runs(prompt_t, True, n, lookup=True)
+    assert drafted == 0 and copied > n // 2  # most runs copy after their first token
+    assert n // 10 < accepted < copied  # copies accepted and rejected
     assert _fits(counts, expected, n) > P_MIN
 
 

@@ -335,7 +335,7 @@ def generate(
     (the reference: the same output when greedy, the same distribution when sampling).
 
     ``on_text`` receives decoded text as it is accepted (whole characters only). ``lookup``
-    (greedy only) verifies copied continuations before drafting (``uag.lookup``).
+    verifies copied continuations before drafting (``uag.lookup``).
     """
     text_prompt = render_prompt(pair, _check_prompt(prompt), chat=chat)
     if max_new_tokens < 1:
@@ -348,10 +348,8 @@ def generate(
         policy = StaticPolicy(k=3)
     if isinstance(policy, str):
         raise UagError(f"policy must be a StopPolicy or None, got the string {policy!r}")
-    if lookup is not None and (policy is None or sampling is not None):
-        raise UagError(
-            "prompt lookup runs in the speculative greedy loop: not with sampling or target-only"
-        )
+    if lookup is not None and policy is None:
+        raise UagError("prompt lookup runs in the speculative loop: not with target-only")
     target_ids, assistant_ids = encode_prompt(pair, text_prompt)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
@@ -379,6 +377,7 @@ def generate(
                 sampling=sampling,
                 on_tokens=stream,
                 keep_steps=keep_steps,
+                lookup=lookup,
             )
     elif policy is None:
         out = target_only_generate(

@@ -434,8 +434,6 @@ def build_arms(
         spec = parse_policy(name)
         if spec.kind == "oracle":
             continue
-        if spec.lookup and cfg.sampling is not None:
-            raise UagError(f"policy {name}: prompt lookup is greedy only, not with --sample")
         factory: Callable[[], Any] | None
         if spec.kind == "target-only":
             factory = None

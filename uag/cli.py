@@ -329,8 +329,6 @@ def run_generate(args: argparse.Namespace) -> int:
     policy = learned or (
         spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
     )
-    if spec.lookup and sampling is not None:
-        raise UagError(f"--policy {spec}: prompt lookup is greedy only, not with --sample")
     lookup = spec.make_lookup()
     pair = uag.load_pair(
         args.target,

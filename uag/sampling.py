@@ -35,6 +35,7 @@ from controllers.base import DraftStep, StopPolicy
 from uag.bridge import Bridge, ends_on_char_boundary
 from uag.errors import UagError
 from uag.features import repeat_length
+from uag.lookup import PromptLookup
 from uag.runner import CachedLM
 from uag.speculative import (
     MAX_CANDIDATES,
@@ -241,6 +242,24 @@ class TargetQ:
         return self._dense
 
 
+class PointQ(TargetQ):
+    """``q`` of a token proposed with certainty (prompt lookup copies it): all mass on it, so
+    it is accepted with probability ``p(token)`` and a rejection samples ``p`` without it."""
+
+    def __init__(self, token: int, vocab: int) -> None:
+        self.token, self.vocab = token, vocab
+        self._dense = None
+
+    def at(self, target_id: int) -> float:
+        return 1.0 if target_id == self.token else 0.0
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = torch.zeros(self.vocab)
+            self._dense[self.token] = 1.0
+        return self._dense
+
+
 def _mass(q: torch.Tensor | TargetQ, token: int) -> float:
     return q.at(token) if isinstance(q, TargetQ) else float(q[token])
 
@@ -369,6 +388,7 @@ def speculative_sample(
     sampling: SamplingConfig,
     on_tokens: OnTokens | None = None,
     keep_steps: bool = False,
+    lookup: PromptLookup | None = None,
 ) -> LoopOutput:
     """TLI speculative sampling: distributed exactly as ``target_only_sample``, in fewer passes.
 
@@ -377,7 +397,9 @@ def speculative_sample(
     target token; one target forward over the pending token and the drafted ones; then
     ``verify_draft``. The assistant keeps the drafted tokens inside the emitted text.
     ``keep_steps`` (collection) keeps each round's draft steps and their soft labels
-    (``expected_acceptance``).
+    (``expected_acceptance``). With ``lookup``, a round whose last target tokens occurred before
+    verifies their old continuation instead (``PointQ``: each copied token is kept with
+    probability ``p``), and nothing is drafted.
     """
     clock = time.perf_counter
     gen = sampling.generator()
@@ -394,10 +416,16 @@ def speculative_sample(
     target_vocab = target.vocab_size
     rich = keep_steps or policy.needs_features  # the ``repeat`` feature reads the prompt's text
     prompt_bytes = bridge.target.bytes_of(prompt_target_ids) if rich else b""
+    if lookup is not None:
+        lookup.reset()
 
     while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
         t0 = clock()
-        a_text.sync(bridge, text)
+        proposal: list[int] = []
+        if lookup is not None and target.cached and room > 1:
+            proposal, _ = lookup.propose(target.ids, limit=min(room - 1, MAX_CANDIDATES))
+        if not proposal:
+            a_text.sync(bridge, text)
         bridge_s = clock() - t0
         ctx = agreement.context(
             iteration=len(records),
@@ -407,7 +435,7 @@ def speculative_sample(
             target_entropy=math.nan,
         )
         t0 = clock()
-        ready = ends_on_char_boundary(text) and room > 1 and target.cached > 0
+        ready = ends_on_char_boundary(text) and room > 1 and target.cached > 0 and not proposal
         budget = policy.budget(ctx) if ready else 0
         policy_s = clock() - t0
         if assistant.cached == len(assistant.ids):
@@ -454,14 +482,19 @@ def speculative_sample(
             if halt:
                 break
 
+        q_rows: list[TargetQ] = [TargetQ(q, intersection, target_vocab) for q in q_assistant]
+        if proposal:
+            draft, q_rows = proposal, [PointQ(t, target_vocab) for t in proposal]
         t0 = clock()
         base = len(target.ids)
         target.ids.extend(draft)
         rows = target.full_logits(target.forward()[-(len(draft) + 1) :])  # [m + 1, V]
-        q_rows = [TargetQ(q, intersection, target_vocab) for q in q_assistant]
         p_row = _Processed(rows, sampling)
         emitted, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=gen)
-        soft, rates = expected_acceptance(draft, q_rows, p_row) if keep_steps else ((), ())
+        soft: tuple[float, ...] = ()
+        rates: tuple[float, ...] = ()
+        if keep_steps and not proposal:
+            soft, rates = expected_acceptance(draft, q_rows, p_row)
         emitted, hit_eos = _clip(emitted, eos_ids=target_eos, room=room)
         in_cache = _commit(target, base=base, accepted=accepted, emitted=emitted)
         verify_s = clock() - t0
@@ -470,12 +503,14 @@ def speculative_sample(
             on_tokens(emitted)
 
         t0 = clock()
-        outcome = agreement.settle(a_text, text, committed=committed, drafted=len(draft))
+        drafted = 0 if proposal else len(draft)
+        outcome = agreement.settle(a_text, text, committed=committed, drafted=drafted)
         bridge_s += clock() - t0
-        policy.update(outcome)
+        if not proposal:  # the policy was not asked this round
+            policy.update(outcome)
         records.append(
             IterationRecord(
-                drafted=len(draft),
+                drafted=drafted,
                 candidates=len(draft),
                 accepted_candidates=in_cache,
                 emitted=len(emitted),
@@ -487,6 +522,7 @@ def speculative_sample(
                 steps=tuple(steps),
                 accept_probs=soft,
                 accept_rates=rates,
+                lookup=bool(proposal),
             )
         )
         if hit_eos:
