@@ -30,7 +30,7 @@ def brute_force(ids: list[int], *, max_ngram: int, min_ngram: int, limit: int):
 
 
 def test_latest_occurrence_of_the_longest_tail():
-    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=4)
+    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=(4,))
     #        0  1  2  3  4  5  6  7  8  9
     ids = [5, 1, 2, 9, 1, 2, 7, 8, 3, 1]
     # tail (3, 1) never occurred before; tail (1,) last continued at index 5 (after "9 1")
@@ -40,7 +40,7 @@ def test_latest_occurrence_of_the_longest_tail():
 
 
 def test_nothing_matches_and_limits():
-    lk = PromptLookup(max_ngram=3, min_ngram=2, max_tokens=3)
+    lk = PromptLookup(max_ngram=3, min_ngram=2, max_tokens=(3,))
     assert lk.propose([1, 2, 3, 4], limit=5) == ([], 0)  # no 2-gram repeats
     lk.reset()
     assert lk.propose([1, 2, 3, 1, 2], limit=5) == ([3, 1, 2], 2)  # max_tokens caps it
@@ -51,17 +51,30 @@ def test_nothing_matches_and_limits():
 
 
 def test_a_copy_that_runs_into_the_present_repeats_its_period():
-    lk = PromptLookup(max_ngram=2, min_ngram=1, max_tokens=7)
+    lk = PromptLookup(max_ngram=2, min_ngram=1, max_tokens=(7,))
     assert lk.propose([4, 7, 8, 7, 8], limit=7) == ([7, 8, 7, 8, 7, 8, 7], 2)
     lk.reset()
     assert lk.propose([3, 3], limit=3) == ([3, 3, 3], 1)
+
+
+def test_the_copy_length_follows_the_match_length():
+    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=(1, 2, 4))
+    #       a  b  c  d  e  f  g  h
+    base = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert lk.propose([*base, 5], limit=9) == ([6], 1)  # "5" matched: one token
+    lk.reset()
+    assert lk.propose([*base, 4, 5], limit=9) == ([6, 7], 2)
+    lk.reset()
+    assert lk.propose([*base, 3, 4, 5], limit=9) == ([6, 7, 8, 3], 3)
+    lk.reset()
+    assert lk.propose([*base, 3, 4, 5], limit=2) == ([6, 7], 3)  # the loop's room caps it
 
 
 def test_incremental_index_equals_the_definition():
     rng = random.Random(0)
     for trial in range(40):
         ids = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
-        lk = PromptLookup(max_ngram=3, min_ngram=1 + trial % 2, max_tokens=5)
+        lk = PromptLookup(max_ngram=3, min_ngram=1 + trial % 2, max_tokens=(5,))
         for _ in range(30):  # grow as the loop does: several ids at a time
             assert lk.propose(ids, limit=5) == brute_force(
                 ids, max_ngram=3, min_ngram=lk.min_ngram, limit=5
@@ -77,7 +90,7 @@ def test_shrinking_ids_and_bad_settings_are_refused():
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="max_tokens"):
-        PromptLookup(max_tokens=0)
+        PromptLookup(max_tokens=(2, 0))
 
 
 @pytest.fixture(scope="module")

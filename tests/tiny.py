@@ -7,6 +7,7 @@ import random
 import torch
 
 from uag.api import Pair, make_pair
+from uag.kernels import ROWWISE_MAX_ROWS
 from uag.models import wrap_model
 
 
@@ -59,8 +60,9 @@ def feed_both_and_compare(
 
 
 def one_row_vs_chunked_logits(lm, prompt: list[int], tokens: list[int], seed: int = 0):
-    """Logits for every token fed one per forward (target-alone) and in random chunks of 1–9
-    (verification): a row-count-invariant forward makes them bitwise equal."""
+    """Logits for every token fed one per forward (target-alone) and in random chunks of
+    1–``ROWWISE_MAX_ROWS`` (every verify size the loop sends): a row-count-invariant forward
+    makes them bitwise equal."""
     lm.reset(prompt, rollback=False)
     lm.forward()
     alone = []
@@ -72,7 +74,7 @@ def one_row_vs_chunked_logits(lm, prompt: list[int], tokens: list[int], seed: in
     lm.forward()
     chunked, i = [], 0
     while i < len(tokens):
-        k = rng.randint(1, 9)
+        k = rng.randint(1, ROWWISE_MAX_ROWS)
         lm.ids.extend(tokens[i : i + k])
         chunked.append(lm.greedy(lm.forward()).logits)
         i += k

@@ -44,6 +44,7 @@ from uag.distribution import (
 from uag.errors import UagError
 from uag.jobs import RunConfig
 from uag.lookup import PromptLookup
+from uag.speculative import MAX_CANDIDATES
 from uag.sampling import SamplingConfig
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
@@ -486,7 +487,8 @@ def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, 
     from uag.features import FEATURE_NAMES, SCHEMA_VERSION
     from uag.latency import measure_pair_profile
 
-    profile = measure_pair_profile(pair, max_candidates=ORACLE_LOOKAHEAD + 1)
+    # Every verify size the loop sends is measured, not extrapolated: lookup copies up to 11.
+    profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES)
     parts = []
     target_prefill = assistant_prefill = 0.0
     for p in prompts:
