@@ -44,8 +44,8 @@ from uag.distribution import (
 from uag.errors import UagError
 from uag.jobs import RunConfig
 from uag.lookup import PromptLookup
-from uag.speculative import MAX_CANDIDATES
 from uag.sampling import SamplingConfig
+from uag.speculative import MAX_CANDIDATES
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
 SAMPLING_POLICIES = "target-only,static-1,static-2,static-4,confidence-0.4,transformers"
