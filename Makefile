@@ -32,12 +32,12 @@ demo: $(STAMP)
 		--assistant-int8 --out $(DEMO)/collected --overwrite --logdir $(DEMO)/tb-collect
 	@echo "== 3/5 train: a small controller on that data (the shipped one used 120 prompts)"
 	$(BIN)/uag train-controller --data $(DEMO)/collected --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10 --no-gate
-	@echo "== 4/5 generate with the shipped controller, checked token-identical to the target alone"
+	@echo "== 4/5 generate with the shipped controller after prompt lookup (learned+lookup), checked token-identical to the target alone"
 	$(BIN)/uag generate --controller exports/ctrl.onnx --assistant-int8 --max-new-tokens 64 --compare-target-only \
 		--prompt "def is_prime(n: int) -> bool:"
 	@echo "== 5/5 bench on 2 held-out prompts (see README for the full table)"
 	$(BIN)/uag bench --prompts humaneval:test --limit 2 --max-new-tokens 64 --assistant-int8 \
-		--controller exports/ctrl.onnx --policies target-only,static-2,transformers,learned,oracle --out $(DEMO)/bench
+		--controller exports/ctrl.onnx --policies target-only,static-2,transformers,learned,lookup,learned+lookup,oracle --out $(DEMO)/bench
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)"
 
 ## The test suite CI runs (real-pair tests included; `-m slow` ones excluded).

@@ -313,3 +313,19 @@ def test_flags_are_the_config_fields_with_their_defaults(
     assert names - set(args) == internal
     for flag in set(args) & names - {"prompts", "out", "data"} - SETTLED_LATER - derived:
         assert args[flag] == default_of(cls, flag), flag
+
+
+def test_generate_puts_prompt_lookup_first_unless_a_policy_is_written(tiny_dirs, capsys):
+    target_dir, assistant_dir = tiny_dirs
+    argv = ["generate", "--target", str(target_dir), "--assistant", str(assistant_dir)]
+    argv += ["--prompt", "ab ab ab ab ab ab", "--max-new-tokens", "16", "--json"]
+    seen = {}
+    for policy in (None, "static", "lookup"):
+        extra = [] if policy is None else ["--policy", policy]
+        assert main([*argv, *extra, "--compare-target-only"]) == 0
+        seen[policy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert seen[policy]["identical"] is True
+    assert seen[None]["policy"] == "static-3+lookup"
+    assert seen["static"]["policy"] == "static-3" and seen["static"]["copied_tokens"] == 0
+    assert seen["lookup"]["policy"] == "lookup" and seen["lookup"]["drafted_tokens"] == 0
+    assert seen["lookup"]["text"] == seen[None]["text"] == seen["static"]["text"]

@@ -107,6 +107,16 @@ class GenerationResult:
         return sum(r.accepted_candidates for r in self.iterations)
 
     @property
+    def copied_tokens(self) -> int:
+        """Candidates that prompt lookup copied (``uag.lookup``), and below, how many of them
+        the target accepted: the lookup's own acceptance, apart from the assistant's."""
+        return sum(r.candidates for r in self.iterations if r.lookup)
+
+    @property
+    def copied_accepted(self) -> int:
+        return sum(r.accepted_candidates for r in self.iterations if r.lookup)
+
+    @property
     def acceptance_rate(self) -> float:
         """Share of drafted assistant tokens whose text the target accepted."""
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -149,6 +159,8 @@ class GenerationResult:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "wasted_drafts": self.wasted_drafts,
+            "copied_tokens": self.copied_tokens,
+            "copied_accepted": self.copied_accepted,
             "tokens_per_second": round(self.tokens_per_second, 3),
             "seconds": round(self.seconds, 4),
             "time_split": {k: round(v, 4) for k, v in self.time_split().items()},

@@ -177,7 +177,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         "(e.g. learned+lookup), each round first tries prompt lookup: when the last target "
         "tokens occurred before, what followed them is verified instead of drafting; lookup "
         "alone uses no assistant drafts. The same names as uag bench --policies (default: "
-        "learned with --controller, else static)",
+        "learned+lookup with --controller, else static+lookup, i.e. static-3+lookup)",
     )
     p.add_argument(
         "--controller",
@@ -288,7 +288,13 @@ def _stats_line(result: Any) -> str:
     return (
         f"[{result.policy}] {result.new_tokens} new tokens, {result.target_forwards} target forwards "
         f"({result.tokens_per_forward:.2f} tokens/forward), acceptance {result.acceptance_rate:.0%}, "
-        f"{result.wasted_drafts} drafted tokens wasted, {result.tokens_per_second:.2f} tokens/s, "
+        f"{result.wasted_drafts} drafted tokens wasted, "
+        + (
+            f"lookup: {result.copied_accepted} of {result.copied_tokens} copied tokens accepted, "
+            if result.copied_tokens
+            else ""
+        )
+        + f"{result.tokens_per_second:.2f} tokens/s, "
         f"{result.seconds:.2f}s ({parts})"
     )
 
@@ -305,7 +311,9 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     from controllers.spec import parse_policy
 
-    spec = parse_policy(args.policy or ("learned" if args.controller else "static"))
+    # Unless a policy is written out, prompt lookup goes first (lossless, and a copy costs no
+    # assistant forward); a written policy is taken as written.
+    spec = parse_policy(args.policy or ("learned+lookup" if args.controller else "static+lookup"))
     if spec.kind == "learned" and spec.path is not None:
         if args.controller is not None:
             raise UagError(f"the controller is given twice: --policy {spec} and --controller")
