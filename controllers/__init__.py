@@ -1,7 +1,13 @@
 """Stop policies behind one protocol (see ``controllers.base``)."""
 
 from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
-from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
+from controllers.rules import (
+    ConfidencePolicy,
+    EntropyPolicy,
+    HeuristicPolicy,
+    NoDraftPolicy,
+    StaticPolicy,
+)
 
 __all__ = [
     "ConfidencePolicy",
@@ -10,6 +16,7 @@ __all__ = [
     "EntropyPolicy",
     "HeuristicPolicy",
     "IterationOutcome",
+    "NoDraftPolicy",
     "StaticPolicy",
     "StopPolicy",
 ]

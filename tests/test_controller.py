@@ -223,6 +223,8 @@ def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
     by_name = {p.name: p for p in report.policies}
     assert by_name["static-2"].identical and by_name["static-2+lookup"].identical
     assert by_name["static-2+lookup"].predicted is not None  # replayed with its lookup
+    assert by_name["static-2"].as_row()["lookup_acceptance"] is None
+    assert by_name["static-2+lookup"].copied >= by_name["static-2+lookup"].copied_accepted
     assert not by_name["broken"].identical
     assert by_name["oracle"].simulated and by_name["oracle"].interval is None
     # The oracle drafts exactly what is accepted: no stop rule replays faster (it may still lose

@@ -322,10 +322,12 @@ def _run_many(pair, prompt_t, prompt_a, cfg, seeds, policy=None, lookup=False):
     return counts, drafted, accepted, copied
 
 
-def _toy_runs(job: tuple[str | list[int], bool, range, bool]):
+def _toy_runs(job: tuple[str | list[int], bool, range, str]):
     """A worker process's share of ``_run_many`` on its own (identical, seeded) toy pair;
-    the prompt as text, or as target ids (the assistant gets their text)."""
-    prompt, ascii_only, seeds, lookup = job
+    the prompt as text, or as target ids (the assistant gets their text); ``mode``: the
+    assistant drafts 2 (``draft``), prompt lookup alone (``lookup``) or lookup first and the
+    assistant when it finds nothing (``both``)."""
+    prompt, ascii_only, seeds, mode = job
     torch.set_num_threads(1)
     pair = toy_pair(ascii_only=ascii_only)
     if isinstance(prompt, str):
@@ -333,18 +335,18 @@ def _toy_runs(job: tuple[str | list[int], bool, range, bool]):
     else:
         prompt_t = prompt
         prompt_a = encode_prompt(pair, pair.target.tokenizer.decode(prompt[1:]))[1]
-    policy = NoDraftPolicy() if lookup else None
-    return _run_many(pair, prompt_t, prompt_a, TOY_SAMPLING, seeds, policy, lookup)
+    policy = NoDraftPolicy() if mode == "lookup" else None
+    return _run_many(pair, prompt_t, prompt_a, TOY_SAMPLING, seeds, policy, mode != "draft")
 
 
-def _pooled_runs(prompt: str | list[int], ascii_only: bool, n: int, *, lookup: bool = False):
+def _pooled_runs(prompt: str | list[int], ascii_only: bool, n: int, *, mode: str = "draft"):
     """``_run_many`` over seeds 1000.. in two processes (CI has two cores; the runs are
     python-bound and independent): the counts are exactly the serial loop's."""
     import multiprocessing
 
     halves = [range(1000, 1000 + n // 2), range(1000 + n // 2, 1000 + n)]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        parts = pool.map(_toy_runs, [(prompt, ascii_only, h, lookup) for h in halves])
+        parts = pool.map(_toy_runs, [(prompt, ascii_only, h, mode) for h in halves])
     counts: dict[tuple, int] = {}
     for part, *_ in parts:
         for key, c in part.items():
@@ -383,11 +385,13 @@ def test_speculative_sampling_matches_the_target_on_toy_models(prompt, ascii_onl
     assert _fits(counts, expected, n) > P_MIN
 
 
-def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models():
-    """The whole loop with prompt lookup as the only drafter, on a prompt that ends in the
-    toy target's own greedy loop (so sampled tokens often occurred before): rounds verify
-    copied tokens, accepted and rejected, and the first three tokens still follow the
-    target's exact joint."""
+@pytest.mark.parametrize("mode", ["lookup", "both"])
+def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models(mode):
+    """The whole loop with prompt lookup as the only drafter (``lookup``), or first with the
+    assistant drafting 2 when it finds nothing (``both``), on a prompt that ends in the toy
+    target's own greedy loop (so sampled tokens often occurred before): rounds verify copied
+    tokens, accepted and rejected, and the first three tokens still follow the target's exact
+    joint."""
     pair = toy_pair(ascii_only=True)
     prompt_t, _ = encode_prompt(pair, "ab ab")
     lm = pair.target_lm
@@ -396,9 +400,10 @@ def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models():
         prompt_t = [*prompt_t, lm.greedy(lm.forward()[-1:]).ids[0]]
     expected = _exact_three(pair, prompt_t, TOY_SAMPLING)
     n = 20_000
-    counts, drafted, accepted, copied = _pooled_runs(prompt_t, True, n, lookup=True)
-    assert drafted == 0 and copied > n // 2  # most runs copy after their first token
-    assert n // 10 < accepted < copied  # copies accepted and rejected
+    counts, drafted, accepted, copied = _pooled_runs(prompt_t, True, n, mode=mode)
+    assert copied > n // 2  # most runs copy after their first token
+    assert (drafted == 0) if mode == "lookup" else (drafted > n // 10)  # both: some draft too
+    assert n // 10 < accepted < copied + drafted  # candidates accepted and rejected
     assert _fits(counts, expected, n) > P_MIN
 
 

@@ -79,6 +79,9 @@ class ArmRun:
     policy_seconds: float = 0.0
     decisions: int = 0
     """Controller calls: one budget per round plus one stop per drafted token."""
+    copied: int = 0
+    """Candidates prompt lookup copied, and below, how many the target accepted."""
+    copied_accepted: int = 0
 
 
 @dataclass
@@ -92,6 +95,8 @@ class PolicyResult:
     accepted: int = 0
     policy_seconds: float = 0.0
     decisions: int = 0
+    copied: int = 0
+    copied_accepted: int = 0
     runs: int = 0
     identical_runs: int = 0
     speedup_vs_target: float = 0.0
@@ -167,6 +172,9 @@ class PolicyResult:
             if self.target_forwards
             else None,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "lookup_acceptance": round(self.copied_accepted / self.copied, 4)
+            if self.copied
+            else None,
             "seconds": round(self.seconds, 3),
             "tokens": self.tokens,
             "controller_share": round(self.policy_seconds / self.seconds, 5)
@@ -247,7 +255,7 @@ class BenchReport:
             else "identical"
         )
         lines = [
-            f"| policy | speed-up vs target-only | 95 % interval | replay predicts | {check} | tokens / target forward | acceptance | controller time |",
+            f"| policy | speed-up vs target-only | 95 % interval | replay predicts | {check} | tokens / target forward | acceptance (drafts, copies) | controller time |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for p in self.policies:
@@ -258,7 +266,12 @@ class BenchReport:
                 if row["tokens_per_target_forward"]
                 else "-"
             )
-            acc = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
+            rates = []
+            if row["acceptance_rate"] is not None:
+                rates.append(f"{row['acceptance_rate']:.0%}")
+            if row["lookup_acceptance"] is not None:
+                rates.append(f"copies {row['lookup_acceptance']:.0%}")
+            acc = ", ".join(rates) or "-"
             share = f"{row['controller_share']:.2%}" if row["controller_share"] else "-"
             if row["controller_us_per_decision"]:
                 share += f" ({row['controller_us_per_decision']:.0f} µs / decision)"
@@ -343,6 +356,8 @@ def _uag_arm(
             accepted=res.accepted_drafts,
             policy_seconds=res.time_split()["policy"],
             decisions=len(res.iterations) + res.drafted_tokens,
+            copied=res.copied_tokens,
+            copied_accepted=res.copied_accepted,
         )
 
     return run
@@ -634,6 +649,8 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 res.accepted += run.accepted
                 res.policy_seconds += run.policy_seconds
                 res.decisions += run.decisions
+                res.copied += run.copied
+                res.copied_accepted += run.copied_accepted
                 res.runs += 1
                 res.identical_runs += int(run.ids == reference)
     bar.close()
