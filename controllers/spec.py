@@ -120,7 +120,7 @@ def parse_policy(text: str) -> PolicySpec:
     spec = text.strip()
     if spec.endswith(LOOKUP):
         inner = parse_policy(spec[: -len(LOOKUP)])
-        if not (inner.is_rule or inner.kind == "learned") or inner.kind == "lookup":
+        if not (inner.is_rule or inner.kind == "learned") or inner.lookup:
             raise UagError(
                 f"policy {spec!r}: {LOOKUP} goes with a drafting policy (static, heuristic, "
                 "confidence, entropy, learned); 'lookup' alone is prompt lookup without drafts"

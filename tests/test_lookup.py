@@ -186,6 +186,7 @@ def test_lookup_specs_round_trip(text, spec):
         "oracle+lookup",
         "transformers+lookup",
         "lookup-3",
+        "static-3+lookup+lookup",
         "static-3+look",
     ],
 )
