@@ -319,14 +319,11 @@ def parse_policies(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class ArmPolicy:
-    """How a uag speculative arm drafts: its policy factory, and whether prompt lookup runs
-    before each round (``+lookup``). Exact replay runs the same."""
+    """How a uag speculative arm drafts: its policy factory, and its prompt lookup's (the
+    spec's: None without ``+lookup``). Exact replay runs the same."""
 
     make: Callable[[], Any]
-    lookup: bool = False
-
-    def make_lookup(self) -> PromptLookup | None:
-        return PromptLookup() if self.lookup else None
+    make_lookup: Callable[[], PromptLookup | None]
 
 
 def _uag_arm(
@@ -472,7 +469,9 @@ def build_arms(
             continue
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")
-        arm_policy = None if factory is None else ArmPolicy(make=factory, lookup=spec.lookup)
+        arm_policy = (
+            None if factory is None else ArmPolicy(make=factory, make_lookup=spec.make_lookup)
+        )
         arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
         if arm_policy is not None and policies is not None:
             policies[name] = arm_policy

@@ -31,8 +31,8 @@ class PromptLookup:
     ``min_ngram``) and what followed it, up to ``max_tokens[n - 1]`` ids (the last entry for
     longer matches).
 
-    Per sequence: ``reset`` with the prompt, then ``propose`` with the whole id list each round
-    (the ids only ever grow between calls, or start over after ``reset``). The index maps every
+    Per sequence: ``reset``, then ``propose`` with the whole id list (prompt included) each
+    round; the ids only ever grow between calls. The index maps every
     n-gram to the last position it continued at, kept up to date incrementally: a proposal
     costs a few dictionary reads, not a scan of the context.
     """
@@ -51,10 +51,6 @@ class PromptLookup:
         if not self.max_tokens or min(self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be lengths >= 1, got {self.max_tokens}")
         self.reset()
-
-    @property
-    def name(self) -> str:
-        return "lookup"
 
     def reset(self) -> None:
         self._index = [{} for _ in range(self.max_ngram + 1)]
