@@ -38,6 +38,16 @@ class DraftContext:
     """Target's probability of the last token it emitted (NaN before the first verify)."""
     target_entropy: float
     """Entropy (nats) of the target's distribution for that token (NaN before the first verify)."""
+    lag: int = 0
+    """Assistant tokens its first draft step would feed: the accepted text it has not seen,
+    re-encoded (1 when it is in step; more after rounds it did not draft in, such as copied
+    ones). Each costs a row of that forward (``controllers.cost``)."""
+    copies: int = 0
+    """Rounds so far whose candidates prompt lookup copied (the policy was not asked)."""
+    copied: int = 0
+    """Candidates those rounds verified."""
+    copy_emitted: int = 0
+    """Target tokens those rounds emitted (part of ``generated``)."""
 
 
 @dataclass(frozen=True)

@@ -215,8 +215,18 @@ class LearnedPolicy:
 
     def budget(self, ctx: DraftContext) -> int:
         if self._cost is not None:
-            gate = self._score(gate_row(ctx)) if self.info.gate else None
-            return self.info.max_lookahead if self._cost.start(gate) else 0
+            # With copies in the run, skipping is weighed even by a controller trained without
+            # it: R is no longer the rate its training found skips never paid at.
+            gated = self.info.gate or ctx.copies > 0
+            gate = self._score(gate_row(ctx)) if gated else None
+            rate = self._cost.rule.rate_with_copies(
+                generated=ctx.generated,
+                copies=ctx.copies,
+                copied=ctx.copied,
+                copy_emitted=ctx.copy_emitted,
+            )
+            start = self._cost.start(gate, rate=rate, lag=ctx.lag)
+            return self.info.max_lookahead if start else 0
         if self.info.gate_threshold > 0 and self._score(gate_row(ctx)) < self.info.gate_threshold:
             return 0
         return self.info.max_lookahead

@@ -111,6 +111,46 @@ COST = {
 }
 
 
+def test_copied_rounds_raise_the_bar_even_for_a_controller_without_a_gate(tmp_path):
+    """A cost controller exported without a gate drafts every round of a run without copies;
+    once prompt lookup's cheap copied rounds dominate, the rate its decisions price time at
+    rises and the same round is skipped (drafting would cost more than it wins)."""
+    extra = {
+        "decision": "cost",
+        "rate_factor": "1.1",
+        "logit_shift": "-20",  # every score reads as a certain acceptance
+        "gate": "false",
+        "latency_profile": {
+            "device": "cpu:test",
+            "draft_s": 0.06,
+            "verify_s": [0.08, 0.082, 0.084, 0.086],
+        },
+    }
+    _export(tmp_path / "c.onnx", extra=extra)
+    policy = LearnedPolicy(tmp_path / "c.onnx")
+    assert not policy.info.gate
+
+    def ctx(**copies: int) -> DraftContext:
+        return DraftContext(
+            iteration=120,
+            generated=400,
+            remaining=100,
+            prev_drafted=2,
+            prev_accepted=2,
+            drafted_total=40,
+            accepted_total=30,
+            target_prob=0.9,
+            target_entropy=0.4,
+            lag=1,
+            **copies,
+        )
+
+    assert policy.budget(ctx()) == 4
+    # 95 copied rounds of 3 candidates, 4 tokens each: ~46 tokens/s against κ's 13.75
+    assert policy.budget(ctx(copies=95, copied=285, copy_emitted=380)) == 0
+    assert policy.budget(ctx(copies=2, copied=6, copy_emitted=8)) == 4  # a few: still drafts
+
+
 def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs, capsys):
     """A controller that decides by cost: lossless in the loop, drafting where its prices say
     so, and bench prints replay's prediction for it beside the

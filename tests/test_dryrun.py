@@ -140,6 +140,15 @@ def test_pricing_adds_the_profiles_prices_round_by_round():
     static = dryrun.ReplayRun(records=records, assistant_prefill_s=0.1, reads_features=False)
     assert dryrun.priced_seconds(static, trace, profile) == pytest.approx(0.3 + rounds - 0.003)
     assert dryrun.priced_seconds(run, trace, profile) == pytest.approx(0.3 + rounds)
+    # a copied round reads no statistics; a drafting round feeding 5 tokens pays 3 rows more
+    profile = dataclasses.replace(profile, catchup_lag=2.0, feed_row_s=0.001)
+    records[2] = dataclasses.replace(records[2], candidates=1, lookup=True)
+    records[3] = dataclasses.replace(records[3], lag=5)
+    run = dryrun.ReplayRun(records=records, assistant_prefill_s=0.1)
+    copied = 0.002 + 0.06 - 0.001
+    assert dryrun.priced_seconds(run, trace, profile) == pytest.approx(
+        0.3 + rounds - (0.002 + 0.05) + copied + 0.003
+    )
 
 
 def _ids(pair, prompt: str) -> tuple[list[int], list[int]]:

@@ -243,3 +243,57 @@ def test_lookup_arms_in_a_policy_list():
 
     names = [str(s) for s in parse_policy_list("lookup,static+lookup,entropy+lookup,learned")]
     assert names == ["target-only", "lookup", "static-3+lookup", "entropy-1.5+lookup", "learned"]
+
+
+class _Recorder:
+    """Drafts 2 every round it is asked, keeping each round's context."""
+
+    name = "recorder"
+    needs_features = True
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def reset(self) -> None:
+        self.seen.clear()
+
+    def budget(self, ctx) -> int:
+        self.seen.append(ctx)
+        return 2
+
+    def stop(self, step) -> bool:
+        return False
+
+    def update(self, outcome) -> None:
+        pass
+
+
+def test_asked_rounds_see_the_copies_the_lag_and_the_targets_statistics(cross):
+    """A round that asks the policy is told what the copied rounds before it verified and
+    emitted (what prices its decision), how far the assistant lags, and the target's statistics
+    of the last emitted token, also when that token came from a copied round (they are read
+    lazily, only for rounds that ask)."""
+    from tests.test_dryrun import _ids
+    from uag import dryrun
+
+    prompt = "the cat sat on the mat, the cat sat on the mat, the cat"
+    trace = dryrun.record_trace(cross, _ids(cross, prompt)[0], 40)
+    policy = _Recorder()
+    out = uag.generate(cross, prompt, policy=policy, lookup=PromptLookup(), max_new_tokens=40)
+    assert tuple(out.token_ids) == trace.ids
+    rounds = out.iterations
+    assert policy.seen and any(r.lookup for r in rounds)
+    after_copy = 0
+    for ctx in policy.seen:
+        before = rounds[: ctx.iteration]
+        assert ctx.copies == sum(r.lookup for r in before)
+        assert ctx.copied == sum(r.candidates for r in before if r.lookup)
+        assert ctx.copy_emitted == sum(r.emitted for r in before if r.lookup)
+        assert ctx.generated == sum(r.emitted for r in before)
+        assert ctx.target_prob == pytest.approx(trace.probs[ctx.generated - 1], rel=1e-5)
+        assert ctx.target_entropy == pytest.approx(trace.entropies[ctx.generated - 1], rel=1e-4)
+        this = rounds[ctx.iteration]
+        assert ctx.lag >= 1 and this.lag == (ctx.lag if this.drafted else 0)
+        after_copy += before[-1].lookup
+    assert after_copy, "some asked round must follow a copied one"
+    assert max(ctx.lag for ctx in policy.seen) > 1  # the copied text, caught up on

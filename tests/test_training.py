@@ -153,7 +153,7 @@ def test_loop_overheads_come_from_the_measured_rounds():
     from uag.latency import loop_overheads
     from uag.speculative import IterationRecord
 
-    def rec(drafted: int, draft: float, verify: float, first: float, whole: float):
+    def rec(drafted: int, draft: float, verify: float, first: float, whole: float, lag: int = 2):
         return IterationRecord(
             drafted=drafted,
             candidates=drafted,
@@ -166,6 +166,7 @@ def test_loop_overheads_come_from_the_measured_rounds():
             policy_s=0.0,
             first_draft_s=first,
             round_s=whole,
+            lag=lag if drafted else 0,
         )
 
     records = [
@@ -173,13 +174,14 @@ def test_loop_overheads_come_from_the_measured_rounds():
         rec(2, 40.0, 12.0, 30.0, 60.0),  # the assistant's prefill rides on its first step
         rec(2, 5.0, 12.0, 3.0, 18.0),
         rec(0, 0.0, 10.0, 0.0, 10.5),  # skipped: no draft step to learn from
-        rec(3, 7.0, 13.0, 3.5, 21.5),
-        rec(2, 5.0, 12.0, 3.0, 18.5),
+        rec(3, 7.0, 13.0, 3.5, 21.5, lag=5),
+        rec(2, 5.0, 12.0, 3.0, 18.5, lag=1),
     ]
-    round_s, catchup_s = loop_overheads(records, draft_s=2.0)
+    round_s, catchup_s, lag = loop_overheads(records, draft_s=2.0)
     assert round_s == pytest.approx(1.5)  # medians of 1.0, 1.5, 1.5
     assert catchup_s == pytest.approx(1.0)  # median first step 3.0 against 2.0 per step
-    assert loop_overheads(records[:2], draft_s=2.0) == (0.0, 0.0)
+    assert lag == 2  # median of 2, 5, 1
+    assert loop_overheads(records[:2], draft_s=2.0) == (0.0, 0.0, 0.0)
 
 
 def test_replay_threshold_rule_stops_after_low_token():
@@ -445,6 +447,51 @@ def test_cost_rule_prices_the_catchup_and_reads_the_profile():
         {"draft_s": 1.0, "verify_s": [10.0] * 7, "catchup_s": 2.0}, rate_factor=1.0, max_lookahead=3
     )
     assert more.worth_drafting(survival=1.0, hazard=0.2, drafted=1, candidates=1)
+
+
+def test_cost_rule_prices_a_long_lag_by_the_row():
+    """A first draft step that feeds more than the measured lag pays each extra row: a gate
+    that drafts at the typical lag skips at a long one (after copied rounds)."""
+    from controllers.cost import CostRule
+
+    profile = {"draft_s": 1.0, "verify_s": [10.0] * 7, "catchup_s": 2.0, "catchup_lag": 2.0}
+    rule = CostRule.from_profile({**profile, "feed_row_s": 0.5}, rate_factor=1.0, max_lookahead=1)
+    assert rule.catchup(None) == rule.catchup(1) == rule.catchup(2) == 2.0
+    assert rule.catchup(6) == pytest.approx(4.0)
+    # at 0.1 tokens/s one draft is worth it above 0.3 expected tokens, above 0.5 at lag 6
+    assert rule.worth_drafting(survival=1.0, hazard=0.4, drafted=0, candidates=0, lag=2)
+    assert not rule.worth_drafting(survival=1.0, hazard=0.4, drafted=0, candidates=0, lag=6)
+    assert rule.worth_drafting(survival=1.0, hazard=0.55, drafted=0, candidates=0, lag=6)
+    # a profile measured before rows were priced: the lag costs nothing extra
+    old = CostRule.from_profile(profile, rate_factor=1.0, max_lookahead=1)
+    assert old.catchup(30) == 2.0
+
+
+def test_cost_rule_rate_mixes_in_the_copied_rounds():
+    """R without copies is κ's; copies cheaper per token than κ's rate raise it (so a draft
+    must win more), dearer ones lower it, and the prior keeps one early copy from swinging it."""
+    from controllers.cost import COPY_PRIOR_TOKENS, CostRule
+
+    rule = CostRule.from_profile(
+        {"draft_s": 1.0, "verify_s": [10.0, 11.0, 12.0, 13.0], "round_s": 1.0, "stats_s": 0.5},
+        rate_factor=1.0,
+        max_lookahead=4,
+    )
+    assert rule.rate == pytest.approx(0.1)
+    assert rule.rate_with_copies(generated=50, copies=0, copied=0, copy_emitted=0) == rule.rate
+    # 10 copied rounds of 3 candidates, 4 tokens each: 13.5 s a round, ~0.3 tokens/s
+    cheap = rule.rate_with_copies(generated=60, copies=10, copied=30, copy_emitted=40)
+    own = COPY_PRIOR_TOKENS + 20
+    assert cheap == pytest.approx((own + 40) / (own / 0.1 + 10 * (1.0 + 13.0 - 0.5)))
+    assert cheap > 1.5 * rule.rate
+    dear = rule.rate_with_copies(generated=60, copies=10, copied=30, copy_emitted=10)
+    assert dear < rule.rate
+    one = rule.rate_with_copies(generated=5, copies=1, copied=3, copy_emitted=4)
+    assert rule.rate < one < 1.3 * rule.rate
+    # a gate that drafts at κ's rate skips at the copies' rate
+    # (one draft: 2 s for 0.25 expected tokens; more drafts are worth less)
+    assert rule.worth_drafting(survival=1.0, hazard=0.25, drafted=0, candidates=0)
+    assert not rule.worth_drafting(survival=1.0, hazard=0.25, drafted=0, candidates=0, rate=cheap)
 
 
 def test_cost_rule_undoes_the_class_weighting():

@@ -180,10 +180,12 @@ def priced_seconds(run: ReplayRun, trace: TargetTrace, profile: LatencyProfile) 
     profile's prices (round 0 is the target's prompt pass, which emits the first token), plus
     the policy's own decisions as the replay timed them (the profile's round overhead is a
     static rule's, ~µs; an ONNX controller takes ~0.2 ms a decision, ~2 % of its run). A policy
-    that reads no features skips the target's statistics, which the verify prices include."""
-    unread = 0.0 if run.reads_features else profile.stats_s
+    that reads no features skips the target's statistics, which the verify prices include, and
+    so does a copied round (the loop reads them only for a round that asks the policy)."""
     rounds = sum(
-        profile.round_cost(drafted=r.drafted, candidates=r.candidates) + r.policy_s - unread
+        profile.round_cost(drafted=r.drafted, candidates=r.candidates, lag=r.lag)
+        + r.policy_s
+        - (profile.stats_s if r.lookup or not run.reads_features else 0.0)
         for r in run.records[1:]
     )
     return trace.prefill_s + run.assistant_prefill_s + rounds

@@ -54,6 +54,10 @@ PROFILE_TEXT = (
 """Real text (HumanEval/1 and its solution) for the profile's context and fed positions."""
 
 
+FEED_ROWS = 9
+"""Rows of the forward that prices ``feed_row_s``: a draft step catching up on 8 tokens."""
+
+
 def text_ids(tokenizer: Any, count: int) -> list[int]:
     """``count`` token ids of ``PROFILE_TEXT`` (repeated as needed) under ``tokenizer``."""
     ids: list[int] = tokenizer(PROFILE_TEXT, add_special_tokens=False)["input_ids"]
@@ -76,6 +80,11 @@ class LatencyProfile:
     """Per round, the loop's time outside draft steps and verify (bridge, bookkeeping)."""
     catchup_s: float = 0.0
     """Extra cost of a round's first draft step over ``draft_s`` (it feeds the catch-up rows)."""
+    catchup_lag: float = 0.0
+    """The median ``DraftContext.lag`` of the rounds ``catchup_s`` was measured over."""
+    feed_row_s: float = 0.0
+    """Each further token a draft step feeds (catching up on text the assistant has not seen,
+    e.g. after prompt lookup's rounds): a lag beyond ``catchup_lag`` costs this per token."""
     stats_s: float = 0.0
     """The part of every ``verify_s`` spent on the target's statistics (a feature for the next
     round): a policy that reads no features does not pay it (0 in older profiles)."""
@@ -85,9 +94,15 @@ class LatencyProfile:
         """A plain target step (no candidates): what target-alone decoding pays per token."""
         return self.step_s if self.step_s is not None else self.verify_s[0]
 
-    def round_cost(self, *, drafted: int, candidates: int) -> float:
+    def catchup(self, lag: float | None) -> float:
+        """What a round's first draft step costs beyond ``draft_s`` when it feeds ``lag``
+        tokens (None: unknown, the measured typical case)."""
+        extra = 0.0 if lag is None else max(lag - self.catchup_lag, 0.0) * self.feed_row_s
+        return self.catchup_s + extra
+
+    def round_cost(self, *, drafted: int, candidates: int, lag: int | None = None) -> float:
         """What one round of the loop costs: draft steps, verify, catch-up and bookkeeping."""
-        catchup = self.catchup_s if drafted else 0.0
+        catchup = self.catchup(lag) if drafted else 0.0
         return self.round_s + catchup + drafted * self.draft_s + self.verify(candidates)
 
     def verify(self, candidates: int) -> float:
@@ -110,6 +125,8 @@ class LatencyProfile:
             step_s=None if data.get("step_s") is None else float(data["step_s"]),
             round_s=float(data.get("round_s", 0.0)),
             catchup_s=float(data.get("catchup_s", 0.0)),
+            catchup_lag=float(data.get("catchup_lag", 0.0)),
+            feed_row_s=float(data.get("feed_row_s", 0.0)),
             stats_s=float(data.get("stats_s", 0.0)),
         )
 
@@ -137,10 +154,10 @@ def measure_profile(
 ) -> LatencyProfile:
     """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models."""
     target_ids = text_ids(target_tokenizer, PROFILE_CONTEXT + max_candidates + 1)
-    assistant_ids = text_ids(assistant_tokenizer, PROFILE_CONTEXT + 1)
+    assistant_ids = text_ids(assistant_tokenizer, PROFILE_CONTEXT + FEED_ROWS)
 
-    def draft() -> None:
-        assistant.ids.append(assistant_ids[PROFILE_CONTEXT])
+    def draft(rows: int = 1) -> None:
+        assistant.ids.extend(assistant_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + rows])
         hidden = assistant.forward()
         draft_stats(assistant.logits(hidden[-1:])[0])  # what a draft step computes
         assistant.truncate(PROFILE_CONTEXT)
@@ -168,6 +185,7 @@ def measure_profile(
     # (a round's later drafts; its first follows the verify, with colder caches and the
     # catch-up rows: ``measure_loop``'s ``catchup_s``), the target-alone step back to back.
     ops: list[tuple[str, Any, Any]] = [("draft", draft, draft)]
+    ops += [("feed", lambda: draft(FEED_ROWS), draft)]
     ops += [(f"verify{m}", lambda m=m: verify(m), draft) for m in range(max_candidates + 1)]
     ops += [("step", lambda: verify(0, stats=False), lambda: verify(0, stats=False))]
     times: dict[str, list[float]] = {name: [] for name, _, _ in ops}
@@ -184,24 +202,28 @@ def measure_profile(
     draft_s = statistics.median(times["draft"])
     verify_s = [statistics.median(times[f"verify{m}"]) for m in range(max_candidates + 1)]
     step_s = statistics.median(times["step"])
+    feed_row_s = (statistics.median(times["feed"]) - draft_s) / (FEED_ROWS - 1)
     return LatencyProfile(
         device=describe_device(device),
         draft_s=draft_s,
         verify_s=verify_s,
         step_s=step_s,
         stats_s=statistics.median(stats_times),
+        feed_row_s=max(feed_row_s, 0.0),
     )
 
 
-def loop_overheads(records: Sequence[Any], *, draft_s: float) -> tuple[float, float]:
-    """``(round_s, catchup_s)`` from a measured run's ``IterationRecord``s (medians over its
-    drafting rounds, leaving out the first two: the target's and the assistant's prefill)."""
+def loop_overheads(records: Sequence[Any], *, draft_s: float) -> tuple[float, float, float]:
+    """``(round_s, catchup_s, catchup_lag)`` from a measured run's ``IterationRecord``s (medians
+    over its drafting rounds, leaving out the first two: the target's and the assistant's
+    prefill)."""
     rounds = [r for r in records[1:] if r.drafted][1:]
     if not rounds:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     round_s = statistics.median(r.round_s - r.draft_s - r.verify_s for r in rounds)
     catchup_s = statistics.median(r.first_draft_s for r in rounds) - draft_s
-    return max(round_s, 0.0), max(catchup_s, 0.0)
+    lag = float(statistics.median(r.lag for r in rounds))
+    return max(round_s, 0.0), max(catchup_s, 0.0), lag
 
 
 def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> LatencyProfile:
@@ -215,8 +237,8 @@ def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> Lat
     for _ in range(2):
         out = uag.generate(pair, prompt, policy=StaticPolicy(k=2), max_new_tokens=tokens)
         records = list(out.iterations)
-    round_s, catchup_s = loop_overheads(records, draft_s=profile.draft_s)
-    return replace(profile, round_s=round_s, catchup_s=catchup_s)
+    round_s, catchup_s, lag = loop_overheads(records, draft_s=profile.draft_s)
+    return replace(profile, round_s=round_s, catchup_s=catchup_s, catchup_lag=lag)
 
 
 def measure_pair_profile(pair: Any, *, max_candidates: int, repeats: int = 7) -> LatencyProfile:

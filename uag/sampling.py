@@ -433,6 +433,7 @@ def speculative_sample(
             remaining=room,
             target_prob=math.nan,
             target_entropy=math.nan,
+            lag=len(assistant.ids) - assistant.cached,
         )
         t0 = clock()
         ready = ends_on_char_boundary(text) and room > 1 and target.cached > 0 and not proposal
@@ -506,7 +507,9 @@ def speculative_sample(
         drafted = 0 if proposal else len(draft)
         outcome = agreement.settle(a_text, text, committed=committed, drafted=drafted)
         bridge_s += clock() - t0
-        if not proposal:  # the policy was not asked this round
+        if proposal:  # the policy was not asked this round
+            agreement.note_copy(candidates=len(draft), emitted=len(emitted))
+        else:
             policy.update(outcome)
         records.append(
             IterationRecord(
@@ -523,6 +526,7 @@ def speculative_sample(
                 accept_probs=soft,
                 accept_rates=rates,
                 lookup=bool(proposal),
+                lag=ctx.lag if drafted else 0,
             )
         )
         if hit_eos:

@@ -86,6 +86,9 @@ class IterationRecord:
     """Sampling with ``keep_steps``: per drafted token, Σ min(p, q) at its position."""
     lookup: bool = False
     """The candidates were copied by prompt lookup (``uag.lookup``): nothing was drafted."""
+    lag: int = 0
+    """Tokens the assistant was fed by the round's first draft step (``DraftContext.lag``); 0
+    when it did not draft."""
 
 
 @dataclass
@@ -226,6 +229,9 @@ class _Agreement:
     forgetting would lock a gate that skips once into skipping."""
     drafted_total: int = 0
     accepted_total: int = 0
+    copies: int = 0
+    copied: int = 0
+    copy_emitted: int = 0
 
     def context(
         self,
@@ -235,6 +241,7 @@ class _Agreement:
         remaining: int,
         target_prob: float,
         target_entropy: float,
+        lag: int = 0,
     ) -> DraftContext:
         return DraftContext(
             iteration=iteration,
@@ -246,6 +253,10 @@ class _Agreement:
             accepted_total=self.accepted_total,
             target_prob=target_prob,
             target_entropy=target_entropy,
+            lag=lag,
+            copies=self.copies,
+            copied=self.copied,
+            copy_emitted=self.copy_emitted,
         )
 
     def settle(
@@ -259,6 +270,13 @@ class _Agreement:
         self.drafted_total += drafted
         self.accepted_total += accepted
         return outcome
+
+    def note_copy(self, *, candidates: int, emitted: int) -> None:
+        """A round verified prompt lookup's copy: the policy was not asked, but what such rounds
+        cost and yield changes what its own rounds are worth (``controllers.cost``)."""
+        self.copies += 1
+        self.copied += candidates
+        self.copy_emitted += emitted
 
 
 def _candidates(
@@ -322,6 +340,9 @@ def speculative_generate(
     reason: StopReason = "max_new_tokens"
     agreement = _Agreement()
     target_prob = target_entropy = math.nan
+    # The head row that chose the last emitted token, its statistics not yet read: computed
+    # (~0.6 ms) only when a round asks the policy, not after every copied round.
+    last_row: tuple[HeadOutput, int] | None = None
     # Target statistics and per-step re-encoding counts cost a little: only when someone reads them.
     rich = keep_steps or policy.needs_features
     # the prompt's text, for the ``repeat`` feature (only when features are read)
@@ -342,12 +363,19 @@ def speculative_generate(
         bridge_s = clock() - t0
 
         # 2. draft.
+        stats_s = 0.0  # the target's statistics, read here, count as this round's verify time
+        if last_row is not None and not proposal:
+            t0 = clock()
+            target_prob, target_entropy = last_row[0].stats(last_row[1])
+            last_row = None
+            stats_s = clock() - t0
         ctx = agreement.context(
             iteration=len(records),
             generated=len(target.ids) - t_start,
             remaining=room,
             target_prob=target_prob,
             target_entropy=target_entropy,
+            lag=len(assistant.ids) - assistant.cached,
         )
         t0 = clock()
         # The first round prefills the prompt alone, exactly as target-alone does.
@@ -436,11 +464,8 @@ def speculative_generate(
         in_cache = _commit(target, base=base, accepted=accepted, emitted=emitted)
         if rich:  # the target's view of the last token it emitted: a feature for the next round
             last = len(emitted) - 1  # head row that chose the last emitted token
-            if alone is not None and last == accepted:
-                target_prob, target_entropy = alone.stats(0)
-            else:
-                target_prob, target_entropy = head.stats(last)
-        verify_s = clock() - t0
+            last_row = (alone, 0) if alone is not None and last == accepted else (head, last)
+        verify_s = clock() - t0 + stats_s
         text += bridge.target.bytes_of(emitted)
         if on_tokens:
             on_tokens(emitted)
@@ -450,7 +475,9 @@ def speculative_generate(
         outcome = agreement.settle(a_text, text, committed=committed, drafted=len(steps))
         bridge_s += clock() - t0
         t0 = clock()
-        if not proposal:  # the policy was not asked this round
+        if proposal:  # the policy was not asked this round
+            agreement.note_copy(candidates=len(candidates), emitted=len(emitted))
+        else:
             policy.update(outcome)
         policy_s += clock() - t0
         records.append(
@@ -469,6 +496,7 @@ def speculative_generate(
                 first_draft_s=first_draft_s,
                 round_s=clock() - round_start,
                 lookup=bool(proposal),
+                lag=ctx.lag if steps else 0,
             )
         )
         if hit_eos:
