@@ -105,6 +105,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     prompts when there are any, export ONNX; None in every process but the first of a
     multi-process run (``--devices N --strategy ddp``)."""
     import lightning as L
+    import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
     L.seed_everything(cfg.seed, verbose=False)
@@ -154,7 +155,14 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
         trainer.fit(module, datamodule=dm)
-    if not trainer.is_global_zero:
+    rank_zero = trainer.is_global_zero
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Lightning leaves the process group alive after fit; a gloo group still alive at
+        # interpreter exit can abort a process ("terminate called without an active
+        # exception"), and the launcher then kills every rank (seen once in CI, -9). Nothing
+        # below communicates.
+        torch.distributed.destroy_process_group()
+    if not rank_zero:
         return None  # the first process chooses thresholds and exports, once
 
     net = net.cpu()
