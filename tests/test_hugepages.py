@@ -56,6 +56,25 @@ def test_move_keeps_every_bit_and_advises_the_region():
     assert owner.none is None and owner.empty.numel() == 0 and owner.strided is strided
 
 
+@needs_thp
+def test_a_process_may_exit_with_a_move_under_way():
+    """``uag models prepare`` reads a prepared model (which starts moving its weights) and
+    exits: the process must end cleanly, not abort inside the copy (it did, with a daemon
+    thread: "terminate called without an active exception", exit 134 on every run here)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import types, torch\n"
+        "from uag import hugepages\n"
+        "owner = types.SimpleNamespace(w=torch.ones(100_000_000))\n"
+        "hugepages.Move([(owner, 'w')])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "terminate" not in done.stderr
+
+
 def test_move_does_nothing_when_turned_off(monkeypatch):
     monkeypatch.setenv("UAG_HUGE_PAGES", "0")
     owner = SimpleNamespace(a=torch.randn(1000))

@@ -83,7 +83,11 @@ class Move:
                 tensor = getattr(owner, name)
                 if _movable(tensor):
                     unique.setdefault(id(tensor), tensor)
-        self._thread = threading.Thread(target=self._copy, args=(unique,), daemon=True)
+        # Not a daemon: a process that exits with the copy under way (``uag models prepare``
+        # reads a prepared model and is done) waits for it; a daemon thread inside torch's copy
+        # at interpreter exit aborted the process ("terminate called without an active
+        # exception").
+        self._thread = threading.Thread(target=self._copy, args=(unique,), daemon=False)
         self._thread.start()
 
     def _copy(self, unique: dict[int, torch.Tensor]) -> None:
