@@ -222,7 +222,8 @@ def _commit(target: CachedLM, *, base: int, accepted: int, emitted: list[int]) -
 
 @dataclass
 class _Agreement:
-    """How the two models have agreed so far: what each round's ``DraftContext`` reports."""
+    """How the two models have agreed so far, and what prompt lookup's rounds verified and
+    emitted (``note_copy``): what each round's ``DraftContext`` reports."""
 
     prev: IterationOutcome = IterationOutcome(drafted=0, accepted=0)
     """The last round that drafted: a skipped round says nothing about agreement, and
