@@ -461,17 +461,20 @@ def test_q4_holds_q4_1_weights_exactly_and_stays_close(shape):
 
 
 @needs_native
-@pytest.mark.parametrize("q4", [True, False])
-def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4):
+@pytest.mark.parametrize(("q4", "width"), [(True, 128), (False, 128), (False, 132)])
+def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4, width):
     """q4.c and q8.c sum exactly in int32 on every instruction set (AVX2, AVX-VNNI, AVX-512
     VNNI and AMX for several rows): the same floats out, for every row count and for the screened head's
-    two-level product with its bound, so nothing downstream depends on the CPU."""
+    two-level product with its bound, so nothing downstream depends on the CPU. Rows 1-17 cross
+    every switch between AVX-512 forms (q4: tiles alone up to 2 rows, then pairs; q8: vectors
+    alone up to 8 product rows, then pairs with an odd last vector alone); width 132 gives q8 an
+    odd number of quads (the lone vector's last quad)."""
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(2)
-    linear = nn.Linear(128, 40)  # K a multiple of 64: AMX takes 6+ rows
+    linear = nn.Linear(width, 40)  # K = 128, a multiple of 64: AMX takes 6+ rows
     if q4:
         with torch.no_grad():
-            linear.weight.copy_(native.q4_like_weight(40, 128, generator=gen))
+            linear.weight.copy_(native.q4_like_weight(40, width, generator=gen))
     layer = native.NativeLinear(linear, int8=True, dynamic=True, q4=q4)
     assert layer.q4 == q4
     x = torch.randn(17, layer.padded_in, generator=gen)
