@@ -467,7 +467,7 @@ def test_avx2_vnni_and_avx512_paths_give_the_same_bits(q4, width):
     VNNI and AMX for several rows): the same floats out, for every row count and for the screened head's
     two-level product with its bound, so nothing downstream depends on the CPU. Rows 1-17 cross
     every switch between AVX-512 forms (q4: tiles alone up to 2 rows, then pairs; q8: vectors
-    alone up to 8 product rows, then pairs with an odd last vector alone); width 132 gives q8 an
+    alone up to 9 product rows, then pairs with an odd last vector alone); width 132 gives q8 an
     odd number of quads (the lone vector's last quad)."""
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(2)

@@ -187,7 +187,7 @@ int64_t uag_set_vnni(int64_t want) {
  * upper half zero. */
 #define AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define MAX_MB512 16
-#define ONE_ROWS 8 /* product rows (rows x levels) up to which one512 takes each vector alone */
+#define ONE_ROWS 9 /* product rows (rows x levels) up to which one512 takes each vector alone */
 
 static inline AVX512VNNI __attribute__((always_inline)) void tile512(
     const uint8_t *u, int64_t ldu, const int mb, int64_t Kq, const int8_t *w0, const int8_t *w1,
@@ -221,9 +221,9 @@ static inline AVX512VNNI __attribute__((always_inline)) void tile512(
  * into the matching halves, the halves' int32 sums added at the end. Integer sums do not depend
  * on their order: tile512's integers, so the same bits. Why: a tile's two vectors are two weight
  * streams 8 Kp bytes apart, which a 2-core Zen 4 streamed at ~17 GB/s; one stream reads ~25
- * (SmolLM2's head at one row 1.67 -> 1.30 ms; Gemma's screening head at 1 / 4 / 6 rows 9.9 ->
- * 7.9 / 12.6 -> 9.4 / 12.1 -> 10.3 ms, builds alternating; at 8 rows a tie, and beyond it the
- * pairs' fewer instructions per row win: two levels of 8 rows 14.3 against 15.4 ms). */
+ * (SmolLM2's head at one row 1.67 -> 1.30 ms; Gemma's screening head at 1 / 4 / 6 / 9 rows
+ * 9.9 -> 7.9 / 12.6 -> 9.4 / 12.1 -> 10.3 / 11.5 -> 10.3 ms, builds alternating; at 10-12 rows a
+ * tie, and at 16 the pairs' fewer instructions per row win: 14.3 against 15.4 ms). */
 static inline AVX512VNNI __attribute__((always_inline)) void one512(
     const uint8_t *u, int64_t ldu, const int mb, int64_t Kq, const int8_t *w0, __m256i *state) {
     __m512i acc[MAX_MB512];
