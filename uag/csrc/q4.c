@@ -143,7 +143,8 @@ static VNNI void dispatch_vnni(const int8_t *xq, const float *sx, const float *x
 #endif
 
 
-/* AVX-512 VNNI for one tile (a layer's odd last tile; pair512 below takes the others): one
+/* AVX-512 VNNI for one tile (a layer's odd last tile, and every tile of a one- or two-row
+ * forward: Q4_SINGLE_ROWS; pair512 below takes the others): one
  * 64-byte load holds two of a block's four vectors; the activations are laid out to match once
  * per call (xe: per row and block, four 64-byte vectors: lanes 0-7 take the quad the first
  * vector's nibbles multiply, lanes 8-15 the second's). Exact int32 lanes, halves added at the
