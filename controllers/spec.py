@@ -76,9 +76,12 @@ class PolicySpec:
         """``build`` makes its policy (a hand-written rule, or ``lookup``'s no-draft one)."""
         return self.kind in RULES or self.kind == "lookup"
 
-    def make_lookup(self) -> PromptLookup | None:
-        """A fresh prompt lookup for this spec's runs, or None without ``+lookup``."""
-        return PromptLookup() if self.lookup else None
+    def make_lookup(self, lengths: tuple[int, ...] | None = None) -> PromptLookup | None:
+        """A fresh prompt lookup for this spec's runs, or None without ``+lookup``; ``lengths``
+        are its copy lengths by match length (``uag calibrate``; None: the built-in ones)."""
+        if not self.lookup:
+            return None
+        return PromptLookup() if lengths is None else PromptLookup(max_tokens=lengths)
 
     def build(self, *, lookahead: int | None = None, threshold: float | None = None) -> StopPolicy:
         """The rule this spec names. ``lookahead`` / ``threshold`` are ``uag generate``'s flags:

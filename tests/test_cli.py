@@ -284,6 +284,14 @@ SAMPLING_FLAGS = {"sample", "temperature", "top_p", "top_k", "seed"}
             {"policies"},  # depends on --sample
         ),
         (
+            "calibrate",
+            "uag.calibration:CalibrateConfig",
+            [],
+            set(),
+            {"out", "text_column", "chat"},
+            set(),
+        ),
+        (
             "train-controller",
             "training.config:TrainConfig",
             ["--data", "d"],

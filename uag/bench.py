@@ -436,10 +436,14 @@ def build_arms(
     *,
     prompt_ids: list[str] | None = None,
     policies: dict[str, ArmPolicy] | None = None,
+    lookup_lengths: tuple[int, ...] | None = None,
 ) -> dict[str, Arm]:
     """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
     any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
-    speculative arm's policy factory (what exact replay runs)."""
+    speculative arm's policy factory (what exact replay runs). ``+lookup`` arms copy
+    ``lookup_lengths`` (``uag calibrate``; None: the built-in lengths)."""
+    from functools import partial
+
     from controllers.spec import parse_policy
 
     arms: dict[str, Arm] = {}
@@ -470,7 +474,9 @@ def build_arms(
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")
         arm_policy = (
-            None if factory is None else ArmPolicy(make=factory, make_lookup=spec.make_lookup)
+            None
+            if factory is None
+            else ArmPolicy(make=factory, make_lookup=partial(spec.make_lookup, lookup_lengths))
         )
         arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
         if arm_policy is not None and policies is not None:
@@ -608,7 +614,21 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
     policies: dict[str, ArmPolicy] = {}
-    arms = build_arms(names, pair, cfg, prompt_ids=[p.id for p in prompts], policies=policies)
+    from controllers.spec import parse_policy
+
+    lengths = None
+    if any(parse_policy(name).lookup for name in names):
+        from uag.calibration import lookup_lengths
+
+        lengths = lookup_lengths(pair, quiet=not cfg.progress)
+    arms = build_arms(
+        names,
+        pair,
+        cfg,
+        prompt_ids=[p.id for p in prompts],
+        policies=policies,
+        lookup_lengths=lengths,
+    )
     arms.update(extra_arms or {})
     results = {name: PolicyResult(name) for name in arms}
     for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
@@ -686,6 +706,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     config = {
         k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
     }
+    config["lookup_lengths"] = list(lengths or PromptLookup().max_tokens)
     return BenchReport(
         policies=ordered,
         machine=machine,
@@ -712,7 +733,11 @@ def write_report(report: BenchReport, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
-    header = f"{report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, machine: {report.machine}\n\n"
+    lengths = "/".join(str(n) for n in report.config.get("lookup_lengths", []))
+    header = (
+        f"{report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, "
+        f"lookup copies {lengths or '-'}, machine: {report.machine}\n\n"
+    )
     (out / "results.md").write_text(header + report.markdown() + "\n")
     fig, ax = plt.subplots(figsize=(8, 3.5))
     names = [p.name + (" (sim)" if p.simulated else "") for p in report.policies]

@@ -337,7 +337,6 @@ def run_generate(args: argparse.Namespace) -> int:
     policy = learned or (
         spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
     )
-    lookup = spec.make_lookup()
     pair = uag.load_pair(
         args.target,
         args.assistant,
@@ -348,6 +347,11 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if adopted:
         print(adopted, file=sys.stderr)
+    lookup = None
+    if spec.lookup:
+        from uag.calibration import lookup_lengths
+
+        lookup = spec.make_lookup(lookup_lengths(pair))
     if learned is not None:
         learned.warn_if_foreign(
             target=args.target,
@@ -810,6 +814,67 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    from uag.calibration import CalibrateConfig
+
+    _add_model_args(p)
+    p.add_argument(
+        "--prompts",
+        default=default_of(CalibrateConfig, "prompts"),
+        help="prompts to replay (the forms uag bench takes; default: %(default)s: training "
+        "prompts, so a bench on the test ones stays held-out)",
+    )
+    p.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=default_of(CalibrateConfig, "limit"),
+        help="at most this many prompts of each set (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=default_of(CalibrateConfig, "max_new_tokens"),
+        help="target tokens per recorded run (default: %(default)s)",
+    )
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from uag import calibration
+    from uag.lookup import PromptLookup
+    from uag.prompts import load_prompts
+
+    adopted = settle_model_args(args)
+    cfg = config_from_args(calibration.CalibrateConfig, args)
+    prompts = load_prompts(cfg.prompts, limit=cfg.limit)
+    pair = cfg.load_pair()
+    if adopted:
+        print(adopted, file=sys.stderr)
+    bar = tqdm(total=len(prompts) + 2, desc="calibrate", unit="step")
+
+    def progress(what: str) -> None:
+        bar.set_postfix_str(what[:60])
+        bar.update(1)
+
+    result = calibration.calibrate_lookup(
+        pair, prompts, max_new_tokens=cfg.max_new_tokens, progress=progress
+    )
+    bar.close()
+    path = calibration.calibration_path(pair)
+    calibration.save(result, path)
+    shown = "/".join(map(str, result.lengths))
+    built_in = "/".join(map(str, PromptLookup().max_tokens))
+    print(
+        f"prompt lookup copies {shown} tokens after a 1/2/3+-token match on this machine "
+        f"({result.machine}): replay predicts lookup alone at {result.predicted:.2f}x the target "
+        f"alone on {result.prompts} prompts, the built-in {built_in} at "
+        f"{result.default_predicted:.2f}x"
+    )
+    print(f"wrote {path}; uag generate and uag bench use it for +lookup policies on this pair")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "generate": Command(
         help="generate text with cross-tokenizer speculative decoding",
@@ -830,6 +895,11 @@ COMMANDS: dict[str, Command] = {
         help="compare policies side by side on the same prompts (speed-ups, equality checked)",
         add_args=_add_bench_args,
         run=run_bench_cmd,
+    ),
+    "calibrate": Command(
+        help="choose prompt lookup's copy lengths for this machine by exact replay (~2 min)",
+        add_args=_add_calibrate_args,
+        run=run_calibrate,
     ),
     "models": Command(
         help="list embedded models or convert them ahead of time",

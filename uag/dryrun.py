@@ -175,16 +175,20 @@ def replay(
     )
 
 
-def priced_seconds(run: ReplayRun, trace: TargetTrace, profile: LatencyProfile) -> float:
+def priced_seconds(
+    run: ReplayRun, trace: TargetTrace, profile: LatencyProfile, *, timed_policy: bool = True
+) -> float:
     """What the replayed run costs: the prompt passes, then every later round at the
     profile's prices (round 0 is the target's prompt pass, which emits the first token), plus
     the policy's own decisions as the replay timed them (the profile's round overhead is a
     static rule's, ~µs; an ONNX controller takes ~0.2 ms a decision, ~2 % of its run). A policy
     that reads no features skips the target's statistics, which the verify prices include, and
-    so does a copied round (the loop reads them only for a round that asks the policy)."""
+    so does a copied round (the loop reads them only for a round that asks the policy).
+    ``timed_policy`` False leaves the decisions' timed seconds out: a price that is a function
+    of the rounds alone, the same on every call (``uag.calibration`` compares runs by it)."""
     rounds = sum(
         profile.round_cost(drafted=r.drafted, candidates=r.candidates, lag=r.lag)
-        + r.policy_s
+        + (r.policy_s if timed_policy else 0.0)
         - (profile.stats_s if r.lookup or not run.reads_features else 0.0)
         for r in run.records[1:]
     )
@@ -197,9 +201,16 @@ def alone_seconds(trace: TargetTrace, profile: LatencyProfile) -> float:
 
 
 def predicted_speedup(
-    runs: Sequence[ReplayRun], traces: Sequence[TargetTrace], profile: LatencyProfile
+    runs: Sequence[ReplayRun],
+    traces: Sequence[TargetTrace],
+    profile: LatencyProfile,
+    *,
+    timed_policy: bool = True,
 ) -> float:
     """Σ target-alone seconds ÷ Σ replayed seconds over prompts (both priced)."""
     alone = sum(alone_seconds(t, profile) for t in traces)
-    spent = sum(priced_seconds(r, t, profile) for r, t in zip(runs, traces, strict=True))
+    spent = sum(
+        priced_seconds(r, t, profile, timed_policy=timed_policy)
+        for r, t in zip(runs, traces, strict=True)
+    )
     return alone / spent if spent else 1.0
