@@ -89,13 +89,22 @@ def test_a_saved_calibration_round_trips_and_a_damaged_one_is_one_clear_error(tm
             calibration.load(path)
 
 
-def test_the_file_is_per_machine_and_per_pair(tokenizers):
+def test_the_file_is_per_machine_and_target_and_any_assistant_shares_it(tokenizers):
     pair = cross_pair(tokenizers)
     here = calibration.calibration_path(pair, machine="cpu A, 2 threads")
     assert here == calibration.calibration_path(pair, machine="cpu A, 2 threads")
     assert here != calibration.calibration_path(pair, machine="cpu B, 2 threads")
     assert here != calibration.calibration_path(
         cross_pair(tokenizers, kernels="plain"), machine="cpu A, 2 threads"
+    )
+    # lookup alone never runs the assistant: another assistant finds the same file
+    other = replace(pair, assistant=replace(pair.assistant, ref="another"), assistant_int8=True)
+    assert calibration.calibration_path(other, machine="cpu A, 2 threads") == here
+    assert (
+        calibration.calibration_path(
+            replace(pair, target=replace(pair.target, ref="another")), machine="cpu A, 2 threads"
+        )
+        != here
     )
 
 

@@ -9,7 +9,7 @@ serves: record target-alone runs on training prompts (``uag.dryrun.record_trace`
 latency profile, replay lookup alone through the real loop with candidate lengths
 (``uag.dryrun.replay``: its rounds are the loop's by construction; only time is priced, by that
 profile) and keep the lengths replay prices fastest (coordinate ascent over the three). The
-result lives under ``$UAG_CACHE/calibration``, keyed by this CPU, the pair and the kernels'
+result lives under ``$UAG_CACHE/calibration``, keyed by this CPU, the target and the kernels'
 build; ``uag generate`` and ``uag bench`` use it when it is there and say so on stderr. The
 lengths are searched for lookup alone and then serve every ``+lookup`` policy too.
 """
@@ -79,8 +79,10 @@ def machine_id() -> str:
 
 
 def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
-    """Where this pair's calibration on this machine lives (a new kernels build, another CPU or
-    thread count, pair, int8 choice or device is another file)."""
+    """Where the calibration for ``pair``'s target on this machine lives (a new kernels build,
+    another CPU or thread count, target, kernels or device is another file). Lookup alone never
+    runs the assistant, so the lengths are the target's: any assistant, int8 or not, uses them
+    (a calibration without ``--assistant-int8`` serves ``generate --controller`` too)."""
     from uag import native
 
     lib = native._library()[0] if pair.kernels == "native" else None
@@ -89,8 +91,6 @@ def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
         [
             machine or machine_id(),
             pair.target.ref,
-            pair.assistant.ref,
-            pair.assistant_int8,
             pair.kernels,
             str(pair.target.device),
             build,
