@@ -183,27 +183,25 @@ int64_t uag_set_vnni(int64_t want) {
  * the quantised row. Each lane's int32 sum is exact, so the integers, and the floats, are the
  * 256-bit paths'. Per 64 weight bytes a row costs one 4-byte broadcast and one vpdpbusd: the
  * activations stay in L1 whatever the row count (an earlier layout expanded them 8-fold, and
- * re-reading those from L2 cost ~2 ms of the head at 8 rows). A last odd vector runs with the
- * upper half zero. */
+ * re-reading those from L2 cost ~2 ms of the head at 8 rows). A last odd vector, and every
+ * vector of a product of up to ONE_ROWS rows, runs alone (one512 below). */
 #define AVX512VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define MAX_MB512 16
 #define ONE_ROWS 9 /* product rows (rows x levels) up to which one512 takes each vector alone */
 
 static inline AVX512VNNI __attribute__((always_inline)) void tile512(
     const uint8_t *u, int64_t ldu, const int mb, int64_t Kq, const int8_t *w0, const int8_t *w1,
-    const int two, __m256i *state) {
+    __m256i *state) {
     __m512i acc[MAX_MB512];
     _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
     for (int64_t kq = 0; kq < Kq; kq++) {
         if ((kq & 1) == 0) { /* each stream one line (two quads) ahead of 1 KB */
             _mm_prefetch((const char *)(w0 + kq * LANES * QK) + 1024, _MM_HINT_T0);
-            if (two) _mm_prefetch((const char *)(w1 + kq * LANES * QK) + 1024, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + kq * LANES * QK) + 1024, _MM_HINT_T0);
         }
-        __m512i wv = _mm512_zextsi256_si512(
-            _mm256_loadu_si256((const __m256i *)(w0 + kq * LANES * QK)));
-        if (two)
-            wv = _mm512_inserti64x4(
-                wv, _mm256_loadu_si256((const __m256i *)(w1 + kq * LANES * QK)), 1);
+        const __m512i wv = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w0 + kq * LANES * QK))),
+            _mm256_loadu_si256((const __m256i *)(w1 + kq * LANES * QK)), 1);
         _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
             int32_t four;
             memcpy(&four, u + i * ldu + kq * QK, sizeof four);
@@ -212,7 +210,7 @@ static inline AVX512VNNI __attribute__((always_inline)) void tile512(
     }
     _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
         state[i * 8] = _mm512_castsi512_si256(acc[i]);
-        if (two) state[i * 8 + 1] = _mm512_extracti64x4_epi64(acc[i], 1);
+        state[i * 8 + 1] = _mm512_extracti64x4_epi64(acc[i], 1);
     }
 }
 
@@ -256,7 +254,7 @@ static inline AVX512VNNI __attribute__((always_inline)) void one512(
 
 #define CASE512(MB)                                                                                \
     case MB:                                                                                       \
-        if (w1) tile512(u, ldu, MB, Kq, w0, w1, 1, state);                                         \
+        if (w1) tile512(u, ldu, MB, Kq, w0, w1, state);                                            \
         else one512(u, ldu, MB, Kq, w0, state);                                                    \
         break;
 static AVX512VNNI void dispatch512(const uint8_t *u, int64_t ldu, int mb, int64_t Kq,
