@@ -16,6 +16,7 @@ lengths are searched for lookup alone and then serve every ``+lookup`` policy to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -158,6 +159,7 @@ def calibrate_lookup(
         traces.append(dryrun.record_trace(pair, target_ids, max_new_tokens))
         assistant_ids.append(a_ids)
 
+    @functools.cache  # the built-in lengths are scored in the search and again for the report
     def score(lengths: tuple[int, ...]) -> float:
         runs = [
             dryrun.replay(
