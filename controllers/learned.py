@@ -52,6 +52,9 @@ class ControllerInfo:
     """``cost``: what undoes the class weighting of the scores (``controllers.cost``)."""
     gate: bool = True
     """Whether a round may be skipped (files without the key: a positive gate threshold)."""
+    draft_vocab: int | None = None
+    """The assistant's draft vocabulary its data was collected with (``uag.draft_vocab``; 0:
+    every id; None: files exported before it was recorded)."""
     train_prompts: frozenset[str] = frozenset()
     """Ids of the prompts its training data came from (train and validation): figures measured
     on them are not held-out (files exported before this was recorded carry none)."""
@@ -111,6 +114,7 @@ def read_contract(path: Path, session: Any) -> ControllerInfo:
             gate=bool(json.loads(meta["gate"]))
             if "gate" in meta
             else float(meta.get("gate_threshold", "0")) > 0,
+            draft_vocab=int(meta["draft_vocab"]) if "draft_vocab" in meta else None,
             train_prompts=frozenset(str(i) for i in json.loads(meta.get("train_prompt_ids", "[]"))),
         )
         if info.decision not in ("cost", "threshold"):
@@ -161,6 +165,7 @@ class LearnedPolicy:
         assistant_int8: bool,
         device: str,
         decoding: str = "greedy",
+        draft_vocab: int | None = None,
     ) -> list[str]:
         """Warnings (printed to stderr) when run on another pair, device or decoding mode than
         trained for (a mismatch changes speed, never the output or its distribution)."""
@@ -175,6 +180,14 @@ class LearnedPolicy:
             )
         if self.info.decoding != decoding:
             notes.append(f"trained on {self.info.decoding} decoding, running {decoding}")
+        if (
+            None not in (self.info.draft_vocab, draft_vocab)
+            and self.info.draft_vocab != draft_vocab
+        ):
+            notes.append(
+                f"trained with draft vocabulary {self.info.draft_vocab or 'all'}, running "
+                f"{draft_vocab or 'all'}"
+            )
         trained_device = str(self.info.latency_profile.get("device", "?")).split(":")[0]
         if trained_device != device:
             notes.append(f"trained on {trained_device}, running on {device}")
@@ -199,15 +212,19 @@ class LearnedPolicy:
             )
         return seen
 
-    def warn_if_foreign_to(self, job: Any, *, device: str) -> list[str]:
+    def warn_if_foreign_to(
+        self, job: Any, *, device: str, draft_vocab: int | None = None
+    ) -> list[str]:
         """``warn_if_foreign`` for a prompt-set job's config (collect, bench): its pair, assistant
-        precision and decoding (``job.sampling`` None: greedy)."""
+        precision and decoding (``job.sampling`` None: greedy); ``draft_vocab``: the loaded
+        pair's (``Pair.draft_vocab``)."""
         return self.warn_if_foreign(
             target=job.target,
             assistant=job.assistant,
             assistant_int8=job.assistant_int8,
             device=device,
             decoding="greedy" if job.sampling is None else "sampling",
+            draft_vocab=draft_vocab,
         )
 
     def reset(self) -> None:

@@ -393,6 +393,16 @@ def test_foreign_pair_device_or_decoding_is_named(tmp_path, capsys):
     assert "its thresholds may not fit (the output is unaffected)" in capsys.readouterr().err
     notes = policy.warn_if_foreign(**{**home, "assistant_int8": True, "device": "cuda"})
     assert len(notes) == 2
+    # Files from before the draft vocabulary was recorded make no claim about it.
+    assert policy.info.draft_vocab is None
+    assert policy.warn_if_foreign(**home, draft_vocab=16384) == []
+    _export(tmp_path / "d.onnx", extra={"draft_vocab": "16384"})
+    policy = LearnedPolicy(tmp_path / "d.onnx")
+    assert policy.info.draft_vocab == 16384
+    assert policy.warn_if_foreign(**home, draft_vocab=16384) == []
+    assert policy.warn_if_foreign(**home, draft_vocab=0) == [
+        "trained with draft vocabulary 16384, running all"
+    ]
 
 
 def test_features_mean_the_same_under_any_policy():

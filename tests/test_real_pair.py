@@ -261,12 +261,13 @@ def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
 def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
     """Issue 9's lock-in: the schema-1 controller read a short, fully accepted round as a reason
     to stop, and froze into skipping. With the target as its own assistant every draft is
-    accepted; the shipped controller must keep drafting in every round, on code, prose and CJK."""
+    accepted (over every id: ``draft_vocab=0``); the shipped controller must keep drafting in
+    every round, on code, prose and CJK."""
     from pathlib import Path
 
     from controllers.learned import LearnedPolicy
 
-    pair = uag.load_pair(target="gemma-3-270m", assistant="gemma-3-270m")
+    pair = uag.load_pair(target="gemma-3-270m", assistant="gemma-3-270m", draft_vocab=0)
     policy = LearnedPolicy(Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx")
     for name in ("python_deep_indent", "prose", "cjk"):
         out = uag.generate(pair, NASTY_PROMPTS[name], policy=policy, max_new_tokens=48)

@@ -80,6 +80,12 @@ def test_runs_of_other_settings_are_refused_unless_mixing_is_allowed(tmp_path):
     with pytest.raises(UagError, match="assistant_int8.*--allow-mixed"):
         load_runs([one, other])
     assert len(load_runs([one, other], allow_mixed=True).labels) > 0
+    # Drafts from another draft vocabulary: other features; runs from before it drafted from all.
+    (other / "meta.json").write_text(json.dumps({**meta, "assistant_draft_vocab": 16384}))
+    with pytest.raises(UagError, match="assistant_draft_vocab: .* has 0, .* has 16384"):
+        load_runs([one, other])
+    (other / "meta.json").write_text(json.dumps({**meta, "assistant_draft_vocab": 0}))
+    assert len(load_runs([one, other]).labels) > 0
     (other / "meta.json").write_text(json.dumps({**meta, "schema_version": 1}))
     with pytest.raises(UagError, match="schema_version"):  # never mixable
         load_runs([one, other], allow_mixed=True)

@@ -192,10 +192,14 @@ def cross_pair(tokenizers, *, kernels: str = "auto") -> Pair:
     return make_pair(target, assistant, kernels=kernels)
 
 
-def same_tokenizer_pair(tokenizers, *, noise: float, kernels: str = "auto") -> Pair:
-    """Tiny Gemma target ← a noisy copy of itself: many acceptances, some rejections."""
+def same_tokenizer_pair(
+    tokenizers, *, noise: float, kernels: str = "auto", draft_vocab: int | None = 0
+) -> Pair:
+    """Tiny Gemma target ← a noisy copy of itself: many acceptances, some rejections. It drafts
+    from every id by default, so what it gets accepted is down to the noise alone (a random
+    model's choices ignore ``uag.draft_vocab``'s frequency order)."""
     gemma_tok, _ = tokenizers
     model = tiny_gemma(len(gemma_tok))
     target = wrap_model(model, gemma_tok, ref="tiny-gemma")
     assistant = wrap_model(noisy_copy(model, scale=noise), gemma_tok, ref="tiny-gemma-noisy")
-    return make_pair(target, assistant, kernels=kernels)
+    return make_pair(target, assistant, kernels=kernels, draft_vocab=draft_vocab)

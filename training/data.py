@@ -81,7 +81,14 @@ def from_columns(parts: list[dict[str, np.ndarray]], meta: dict[str, Any]) -> Co
 
 MUST_MATCH = ("schema_version", "feature_names")
 """Runs that differ here cannot share one feature matrix at all."""
-SHOULD_MATCH = ("target", "assistant", "assistant_int8", "decoding", "latency_device")
+SHOULD_MATCH = (
+    "target",
+    "assistant",
+    "assistant_int8",
+    "assistant_draft_vocab",
+    "decoding",
+    "latency_device",
+)
 """Runs that differ here measure different things (acceptance of another pair or precision,
 latencies of another device): mixed only with ``allow_mixed``."""
 
@@ -103,6 +110,8 @@ def _metas(run: Path) -> list[dict[str, Any]]:
 def _setting(meta: dict[str, Any], key: str) -> Any:
     if key == "latency_device":
         return str((meta.get("latency_profile") or {}).get("device", "?")).split(":")[0]
+    if key == "assistant_draft_vocab":  # runs from before it: every id
+        return meta.get(key, 0)
     return meta.get(key, "greedy" if key == "decoding" else None)
 
 

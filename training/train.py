@@ -236,6 +236,7 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         "target": meta["target"],
         "assistant": meta["assistant"],
         "assistant_int8": json.dumps(bool(meta.get("assistant_int8", False))),
+        "draft_vocab": str(int(meta.get("assistant_draft_vocab", 0))),
         "decoding": str(meta.get("decoding", "greedy")),
         "latency_profile": meta["latency_profile"],
         "data_hash": train_set.data_hash,

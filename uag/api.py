@@ -18,6 +18,7 @@ import torch
 
 from controllers.base import StopPolicy
 from uag.bridge import Bridge
+from uag.draft_vocab import check_size
 from uag.errors import UagError
 from uag.kernels import (
     accelerate_target,
@@ -70,6 +71,11 @@ class Pair:
                 assistant_special=special_ids(self.assistant.tokenizer),
             )
         return self._intersection
+
+    @property
+    def draft_vocab(self) -> int:
+        """Greedy drafts come from the assistant's first N ids (``uag.draft_vocab``); 0: all."""
+        return self.assistant_lm.draft_vocab
 
 
 @dataclass
@@ -175,14 +181,20 @@ def load_pair(
     dtype: str = "auto",
     assistant_int8: bool = False,
     kernels: str = "auto",
+    draft_vocab: int | None = None,
 ) -> Pair:
-    """Load both models and build the bridge (GGUF references are converted once, then cached)."""
+    """Load both models and build the bridge (GGUF references are converted once, then cached).
+    ``draft_vocab``: greedy drafts from the assistant's first N ids (``uag.draft_vocab``; None:
+    the default where its head can be cut; 0: every id)."""
+    check_size(draft_vocab)
     for ref in (target, assistant):
         check_reference(ref)
     dev = resolve_device(device)
     mode = resolve_kernels(kernels, dev, resolve_dtype(dtype, dev))  # refuse before loading
     if mode == "native":
-        pair = _prepared_pair(target, assistant, assistant_int8=assistant_int8)
+        pair = _prepared_pair(
+            target, assistant, assistant_int8=assistant_int8, draft_vocab=draft_vocab
+        )
         if pair is not None:
             return pair
     tgt = load_model(target, device=device, dtype=dtype)
@@ -191,10 +203,14 @@ def load_pair(
         if ast.device.type != "cpu" or ast.dtype != torch.float32:
             raise UagError("--assistant-int8 needs the assistant on CPU in float32")
         ast.model = quantize_int8(ast.model, backend="native" if mode == "native" else None)
-    return make_pair(tgt, ast, assistant_int8=assistant_int8, kernels=kernels)
+    return make_pair(
+        tgt, ast, assistant_int8=assistant_int8, kernels=kernels, draft_vocab=draft_vocab
+    )
 
 
-def _prepared_pair(target: str, assistant: str, *, assistant_int8: bool) -> Pair | None:
+def _prepared_pair(
+    target: str, assistant: str, *, assistant_int8: bool, draft_vocab: int | None
+) -> Pair | None:
     """The pair from prepared files (``uag.prepared``: built on the first start), or None where
     either model cannot be prepared. Its ``LoadedModel.model`` is None: no Transformers model
     is loaded."""
@@ -214,6 +230,7 @@ def _prepared_pair(target: str, assistant: str, *, assistant_int8: bool) -> Pair
         ast_parts.cached_lm(),
         assistant_int8=assistant_int8,
         kernels="native",
+        draft_vocab=draft_vocab,
     )
 
 
@@ -223,6 +240,7 @@ def make_pair(
     *,
     assistant_int8: bool = False,
     kernels: str = "auto",
+    draft_vocab: int | None = None,
 ) -> Pair:
     """A pair from models already in memory (e.g. your own, or tiny ones in tests).
 
@@ -234,7 +252,13 @@ def make_pair(
     target_lm = target_lm_for(target.model, target.tokenizer, mode)
     assistant_lm = assistant_lm_for(assistant.model, mode)
     return _pair(
-        target, assistant, target_lm, assistant_lm, assistant_int8=assistant_int8, kernels=mode
+        target,
+        assistant,
+        target_lm,
+        assistant_lm,
+        assistant_int8=assistant_int8,
+        kernels=mode,
+        draft_vocab=draft_vocab,
     )
 
 
@@ -272,9 +296,11 @@ def _pair(
     *,
     assistant_int8: bool,
     kernels: str,
+    draft_vocab: int | None = None,
 ) -> Pair:
     """The pair, with the bridge between the two vocabularies; each model's streamed weights
-    in huge pages (``uag.hugepages``: a move already under way finishes last)."""
+    in huge pages (``uag.hugepages``: a move already under way finishes last), then the
+    assistant's draft head (a view of its head's memory, so after the move)."""
     bridge = Bridge.for_tokenizers(
         target=target.tokenizer,
         assistant=assistant.tokenizer,
@@ -287,6 +313,7 @@ def _pair(
         assistant_lm.lean.half_kv()
         assistant_lm.lean.native_prompts()
         assistant_lm.reset([], rollback=False)
+    assistant_lm.set_draft_vocab(draft_vocab)
     return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, kernels)
 
 

@@ -490,7 +490,7 @@ def _learned_factory(pair: Any, cfg: BenchConfig, prompt_ids: list[str]) -> Call
     if cfg.controller is None:
         raise UagError("policy 'learned' needs --controller PATH.onnx")
     policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
-    policy.warn_if_foreign_to(cfg, device=pair.target.device.type)
+    policy.warn_if_foreign_to(cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab)
     policy.warn_if_trained_on(prompt_ids)
     return lambda: policy
 

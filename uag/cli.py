@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TypeVar
 from training.config import TrainConfig
 from uag.bench import BenchConfig
 from uag.collect import CollectConfig
+from uag.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE
 from uag.errors import UagError
 from uag.jobs import RunConfig
 from uag.kernels import KERNEL_CHOICES
@@ -117,6 +118,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "whatever the row count), else onednn (oneDNN packed, also row-count invariant), else "
         "plain (F.linear; GPUs; near-ties are then recomputed) (default: %(default)s)",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="greedy drafts come from the assistant's first N ids only (rounded up to a multiple "
+        f"of {GRANULE}; ids are numbered roughly by frequency): its head costs a fraction, and a "
+        "token it cannot propose costs acceptance, never the output; 0: every id (default: as a "
+        f"--controller was trained, else {DEFAULT_DRAFT_VOCAB} where the head can be cut: "
+        "native kernels or a plain linear head)",
+    )
 
 
 def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str | None:
@@ -141,6 +153,11 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
                 adopted.append(f"{flag} {trained}" if attr != "assistant_int8" else flag)
         else:
             setattr(args, attr, default)
+    trained_vocab = getattr(info, "draft_vocab", None) if info is not None else None
+    if getattr(args, "draft_vocab", None) is None and trained_vocab is not None:
+        args.draft_vocab = trained_vocab  # None where its file does not say: the default
+        if trained_vocab != DEFAULT_DRAFT_VOCAB:
+            adopted.append(f"--draft-vocab {trained_vocab}")
     if not adopted:
         return None
     return (
@@ -344,6 +361,7 @@ def run_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         assistant_int8=args.assistant_int8,
         kernels=args.kernels,
+        draft_vocab=args.draft_vocab,
     )
     if adopted:
         print(adopted, file=sys.stderr)
@@ -359,6 +377,7 @@ def run_generate(args: argparse.Namespace) -> int:
             assistant_int8=args.assistant_int8,
             device=pair.target.device.type,
             decoding="greedy" if sampling is None else "sampling",
+            draft_vocab=pair.draft_vocab,
         )
     common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat, "sampling": sampling}
     reference = None

@@ -218,6 +218,7 @@ RUN_SETTINGS = (
     "target",
     "assistant",
     "assistant_int8",
+    "draft_vocab",
     "decoding",
     "prompt_source",
     "text_column",
@@ -247,6 +248,7 @@ def run_settings(cfg: CollectConfig) -> dict[str, Any]:
         "target": cfg.target,
         "assistant": cfg.assistant,
         "assistant_int8": cfg.assistant_int8,
+        "draft_vocab": cfg.draft_vocab,
         "decoding": "greedy" if cfg.sampling is None else "sampling",
         "prompt_source": cfg.prompts,
         "text_column": cfg.text_column,
@@ -303,6 +305,7 @@ def _prepare_out(cfg: CollectConfig, mine: list[Prompt], *, clear_all: bool) -> 
         old = read_meta(held)
         for key in ("sampling", "controller", "explore"):  # runs from before these settings
             old.setdefault(key, None)
+        old.setdefault("draft_vocab", 0)  # runs from before it drafted from every id
         differ = [k for k in RUN_SETTINGS if old.get(k, "(missing)") != want[k]]
         if differ:
             what = "; ".join(
@@ -368,7 +371,9 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         todo = _prepare_out(cfg, mine, clear_all=n == 1)
     pair = cfg.load_pair()
     if learned is not None:
-        learned.warn_if_foreign_to(cfg, device=pair.target.device.type)
+        learned.warn_if_foreign_to(
+            cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab
+        )
 
     meta = meta_path(cfg.out, cfg.shard)
     if not meta.exists() or cfg.reprofile:
@@ -378,6 +383,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         record = {
             **run_settings(cfg),
             "kernels": pair.kernels,
+            "assistant_draft_vocab": pair.draft_vocab,
             "shard": list(cfg.shard),
             "latency_profile": profile.to_dict(),
             "versions": {

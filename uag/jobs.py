@@ -30,6 +30,9 @@ class RunConfig:
     dtype: str = "auto"
     assistant_int8: bool = False
     kernels: str = "auto"
+    draft_vocab: int | None = None
+    """The assistant drafts from its first N ids (``uag.draft_vocab``); None: the default where
+    its head can be cut; 0: every id."""
 
     def load_pair(self) -> Pair:
         from uag.api import load_pair
@@ -41,4 +44,5 @@ class RunConfig:
             dtype=self.dtype,
             assistant_int8=self.assistant_int8,
             kernels=self.kernels,
+            draft_vocab=self.draft_vocab,
         )

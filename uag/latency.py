@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from uag.native import draft_stats
 from uag.runner import CachedLM
 
 PROFILE_CONTEXT = 192
@@ -159,7 +158,7 @@ def measure_profile(
     def draft(rows: int = 1) -> None:
         assistant.ids.extend(assistant_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + rows])
         hidden = assistant.forward()
-        draft_stats(assistant.logits(hidden[-1:])[0])  # what a draft step computes
+        assistant.draft(hidden)  # what a draft step computes
         assistant.truncate(PROFILE_CONTEXT)
 
     stats_times: list[float] = []  # inside each timed verify: its statistics part

@@ -771,6 +771,28 @@ class NativeLinear(nn.Module):
         self.integer, self.x8_block, self.x8_affine = False, 0, False
         self._fn = self.lib.uag_linear_f32
 
+    def prefix(self, rows: int) -> NativeLinear:
+        """The layer restricted to its first ``rows`` outputs (a multiple of 16), sharing this
+        layer's memory: the weights are stored by blocks of outputs, so a prefix of the blocks is
+        a prefix of the outputs, each computed exactly as here (bitwise the same values).
+
+        Why: a draft head over the assistant's most common ids (``uag.draft_vocab``) reads a
+        fraction of the head's bytes, and as views it costs no memory and stays in huge pages."""
+        if rows <= 0 or rows % X8_GROUP or rows > self.padded_out:
+            raise ValueError(f"a prefix needs 0 < rows <= {self.padded_out}, a multiple of 16")
+        per_entry = X8_GROUP if self.integer else BLOCK_ROWS
+        part = copy.copy(self)  # its own attribute dictionary; the buffers' is replaced
+        part._buffers = {
+            name: None if t is None else t[: rows // per_entry if name == "weight_ilv" else rows]
+            for name, t in self._buffers.items()
+        }
+        if self.block_scales.numel():
+            part.block_scales = self.block_scales[: rows // per_entry]
+        if self.bias_padded is not None:
+            part.bias_padded = self.bias_padded[:rows]
+        part.out_features = part.padded_out = rows
+        return part
+
     def streamed(self) -> list[tuple[nn.Module, str]]:
         """The tensors every forward reads in full, as (owner, attribute) slots for
         ``uag.hugepages.move``."""

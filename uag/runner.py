@@ -102,6 +102,11 @@ class CachedLM:
         self.cached = 0
         self.cache: Any = None
         self._full: nn.Module | None = None
+        self.draft_head: nn.Module | None = None
+        """``draft`` multiplies by this instead of ``head`` (``uag.draft_vocab``: the first
+        ``draft_vocab`` ids), None: by ``head``."""
+        self.draft_vocab = 0
+        """The ids ``draft`` chooses from are ``0 .. draft_vocab - 1``; 0: every id."""
         self.in_huge_pages = False
         """``move_to_huge_pages`` ran (the weights are shared by ``twin``s: once is enough)."""
         self.moving: Any = None
@@ -215,6 +220,28 @@ class CachedLM:
         if isinstance(fast, ScreenedHead):
             return fast.full_head()
         return fast if fast is not None else self.head
+
+    def set_draft_vocab(self, requested: int | None) -> int:
+        """Draft from the first ids only (``uag.draft_vocab``; None: the default where the head
+        can be cut; 0: every id); returns the size in effect. After ``move_to_huge_pages``:
+        the draft head is a view of the head's memory."""
+        from uag.draft_vocab import draft_head
+
+        self.draft_head, self.draft_vocab = draft_head(self.head, requested, vocab=self.vocab_size)
+        return self.draft_vocab
+
+    @torch.inference_mode()
+    def draft(self, hidden: torch.Tensor) -> tuple[int, float, float, float]:
+        """The greedy draft after the last row of ``hidden`` and its statistics
+        ``(id, top probability, second probability, entropy)``, over the draft vocabulary
+        (``set_draft_vocab``): what a drafted token's features read."""
+        from uag.native import draft_stats
+
+        head = self.draft_head if self.draft_head is not None else self.head
+        out = head(hidden[-1:]).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return draft_stats(out[0])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

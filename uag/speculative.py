@@ -40,7 +40,6 @@ from uag.bridge import Bridge, ends_on_char_boundary
 from uag.features import repeat_length
 from uag.kernels import ROWWISE_MAX_ROWS
 from uag.lookup import PromptLookup
-from uag.native import draft_stats
 from uag.runner import CachedLM, HeadOutput
 
 StopReason = Literal["eos", "max_new_tokens"]
@@ -393,7 +392,7 @@ def speculative_generate(
         for position in range(1, min(budget, room - 1) + 1):
             t0 = clock()
             hidden = assistant.forward()
-            tok, p1, p2, entropy = draft_stats(assistant.logits(hidden[-1:])[0])
+            tok, p1, p2, entropy = assistant.draft(hidden)
             draft_s += clock() - t0
             if position == 1:
                 first_draft_s = draft_s
