@@ -184,13 +184,18 @@ def test_bench_success_path_from_the_cli(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["bench", "--target", str(target_dir), "--assistant", str(assistant_dir)]
     argv += ["--prompts", "mixed", "--limit", "2", "--max-new-tokens", "6", "--repeats", "2"]
+    argv += ["--draft-vocab", "100"]  # rounded up to 128, and said so in the report
     assert main([*argv, "--policies", "target-only,static-2", "--out", str(out)]) == 0
-    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["policies"]}
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["draft_vocab"] == 100
+    assert results["config"]["draft_vocab_used"] == 128
+    rows = {r["name"]: r for r in results["policies"]}
     assert set(rows) == {"target-only", "static-2"}
     assert rows["static-2"]["identical"] is True
     low, high = rows["static-2"]["speedup_interval_95"]
     assert low <= rows["static-2"]["speedup_vs_target"] <= high
     assert "95 % interval" in (out / "results.md").read_text()
+    assert "drafts from the first 128 ids" in (out / "results.md").read_text()
 
 
 def test_models_prepare_success_path(capsys):

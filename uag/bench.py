@@ -707,6 +707,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
     }
     config["lookup_lengths"] = list(lengths or PromptLookup().max_tokens)
+    config["draft_vocab_used"] = pair.draft_vocab  # ``draft_vocab`` is what was asked (None)
     return BenchReport(
         policies=ordered,
         machine=machine,
@@ -734,9 +735,12 @@ def write_report(report: BenchReport, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
     lengths = "/".join(str(n) for n in report.config.get("lookup_lengths", []))
+    vocab = report.config.get("draft_vocab_used")
     header = (
         f"{report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, "
-        f"lookup copies {lengths or '-'}, machine: {report.machine}\n\n"
+        f"lookup copies {lengths or '-'}, "
+        f"drafts from {'every id' if not vocab else f'the first {vocab:,} ids'}, "
+        f"machine: {report.machine}\n\n"
     )
     (out / "results.md").write_text(header + report.markdown() + "\n")
     fig, ax = plt.subplots(figsize=(8, 3.5))
