@@ -111,12 +111,18 @@ def test_a_draft_reads_only_the_draft_vocabulary(tokenizers):
     assert lm.draft_head is None and lm.draft(hidden)[0] == int(lm.logits(hidden[-1:])[0].argmax())
 
 
-@pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
-def test_lossless_whatever_the_draft_vocabulary_proposes(tokenizers, name):
-    """64 ids (single bytes and the like): drafts the target rarely wants, and still exactly
-    the target's own output."""
+@pytest.fixture(scope="module")
+def cut_pair(tokenizers):
     pair = cross_pair(tokenizers)
     pair.assistant_lm.set_draft_vocab(64)
+    return pair
+
+
+@pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
+def test_lossless_whatever_the_draft_vocabulary_proposes(cut_pair, name):
+    """64 ids (single bytes and the like): drafts the target rarely wants, and still exactly
+    the target's own output."""
+    pair = cut_pair
     prompt = NASTY_PROMPTS[name]
     ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
     out = uag.generate(pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=24)
