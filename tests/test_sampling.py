@@ -339,14 +339,22 @@ def _toy_runs(job: tuple[str | list[int], bool, range, str]):
     return _run_many(pair, prompt_t, prompt_a, TOY_SAMPLING, seeds, policy, mode != "draft")
 
 
-def _pooled_runs(prompt: str | list[int], ascii_only: bool, n: int, *, mode: str = "draft"):
-    """``_run_many`` over seeds 1000.. in two processes (CI has two cores; the runs are
-    python-bound and independent): the counts are exactly the serial loop's."""
+@pytest.fixture(scope="module")
+def toy_pool():
+    """Two worker processes for the toy runs (CI has two cores; the runs are python-bound and
+    independent), started once for this module's tests: each start imports torch and builds
+    the toy pair, ~10 s."""
     import multiprocessing
 
-    halves = [range(1000, 1000 + n // 2), range(1000 + n // 2, 1000 + n)]
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        parts = pool.map(_toy_runs, [(prompt, ascii_only, h, mode) for h in halves])
+        yield pool
+
+
+def _pooled_runs(pool, prompt: str | list[int], ascii_only: bool, n: int, *, mode: str = "draft"):
+    """``_run_many`` over seeds 1000.. split between ``pool``'s two processes: the counts are
+    exactly the serial loop's."""
+    halves = [range(1000, 1000 + n // 2), range(1000 + n // 2, 1000 + n)]
+    parts = pool.map(_toy_runs, [(prompt, ascii_only, h, mode) for h in halves])
     counts: dict[tuple, int] = {}
     for part, *_ in parts:
         for key, c in part.items():
@@ -363,7 +371,7 @@ TOY_SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
     [("def add(a, b):", True), ("café 😀", False)],
     ids=["ascii", "multibyte"],
 )
-def test_speculative_sampling_matches_the_target_on_toy_models(prompt, ascii_only):
+def test_speculative_sampling_matches_the_target_on_toy_models(toy_pool, prompt, ascii_only):
     """The whole loop, cross-tokenizer (hand-made byte-level BPE vocabularies of ~300 tokens),
     two drafted tokens per round: the first three tokens follow the target's exact joint.
 
@@ -379,14 +387,19 @@ def test_speculative_sampling_matches_the_target_on_toy_models(prompt, ascii_onl
     wide = sum(v for k, v in expected.items() if any(max(table[t], default=0) > 127 for t in k))
     assert (wide == 0) if ascii_only else (wide > 0.5)
     n = 20_000
-    counts, drafted, accepted, _ = _pooled_runs(prompt, ascii_only, n)
+    counts, drafted, accepted, _ = _pooled_runs(toy_pool, prompt, ascii_only, n)
     assert drafted >= n  # round 2 drafts two tokens in nearly every run
     assert n // 4 < accepted < drafted  # both paths exercised: acceptances and rejections
     assert _fits(counts, expected, n) > P_MIN
 
 
-@pytest.mark.parametrize("mode", ["lookup", "both"])
-def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models(mode):
+@pytest.mark.parametrize(
+    "mode",
+    # ``lookup`` alone (copies only) is slow-marked to keep the suite under its 15 minutes:
+    # ``both`` copies in most runs too, and drafts when lookup finds nothing.
+    [pytest.param("lookup", marks=pytest.mark.slow), "both"],
+)
+def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models(toy_pool, mode):
     """The whole loop with prompt lookup as the only drafter (``lookup``), or first with the
     assistant drafting 2 when it finds nothing (``both``), on a prompt that ends in the toy
     target's own greedy loop (so sampled tokens often occurred before): rounds verify copied
@@ -400,7 +413,7 @@ def test_speculative_sampling_with_lookup_matches_the_target_on_toy_models(mode)
         prompt_t = [*prompt_t, lm.greedy(lm.forward()[-1:]).ids[0]]
     expected = _exact_three(pair, prompt_t, TOY_SAMPLING)
     n = 20_000
-    counts, drafted, accepted, copied = _pooled_runs(prompt_t, True, n, mode=mode)
+    counts, drafted, accepted, copied = _pooled_runs(toy_pool, prompt_t, True, n, mode=mode)
     assert copied > n // 2  # most runs copy after their first token
     assert (drafted == 0) if mode == "lookup" else (drafted > n // 10)  # both: some draft too
     assert n // 10 < accepted < copied + drafted  # candidates accepted and rejected
