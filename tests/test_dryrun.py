@@ -127,6 +127,8 @@ def test_pricing_adds_the_profiles_prices_round_by_round():
         return rec(drafted, candidates, 0, 1, 0, 0.0, 0.0, 0.0, policy_s)
 
     records = [r(0, 0, 9.0), r(2, 2), r(0, 0), r(1, 5, 0.004)]  # round 0's policy time: unpriced
+    # the first drafting round feeds the assistant its prompt: measured in assistant_prefill_s
+    records[1] = dataclasses.replace(records[1], lag=40)
     run = dryrun.ReplayRun(records=records, assistant_prefill_s=0.1)
     trace = dryrun.TargetTrace((1, 2), (3, 4, 5, 6, 7), (0.5,) * 5, (1.0,) * 5, prefill_s=0.2)
     rounds = (0.002 + 0.003 + 0.02 + 0.07) + (0.002 + 0.05)
