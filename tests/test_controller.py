@@ -186,6 +186,9 @@ def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs, 
     assert learned.as_row()["controller_us_per_decision"] > 0
     assert by_name["target-only"].as_row()["controller_us_per_decision"] is None
     assert "µs / decision" in report.markdown()
+    # replay's prices: a slice after each of the 2 prompts, topped up to 7 rounds at the end
+    assert report.profile is not None
+    assert (report.profile["slices"], report.profile["rounds"]) == (3, 7)
     bad = {**COST, "decision": "guess"}
     _export(tmp_path / "bad.onnx", extra=bad)
     with pytest.raises(UagError, match="lacks uag metadata"):

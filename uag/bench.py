@@ -6,7 +6,8 @@ speed reported as ratios to ``target-only`` over the same prompts, with a 95 % b
 over prompts (these cores drift by several percent: a ratio without an interval says too
 little); every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
 it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
-the latency profile measured in this run, and is marked simulated. The same run predicts every
+the latency profile measured in this run (a slice after every prompt, the medians of all: drift
+reaches the prices as it reaches the arms), and is marked simulated. The same run predicts every
 uag greedy arm (static-K, the rules, learned) by *exact replay* (``uag.dryrun``): the real loop
 with the arm's own policy against a recorded target-alone run, so its rounds are the loop's and
 only their prices come from the profile; the prediction is printed beside the measurement, so
@@ -236,7 +237,7 @@ class BenchReport:
     prompts: int
     config: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] | None = None
-    """The latency profile replay priced with (measured in this run)."""
+    """The latency profile replay priced with (measured in slices across this run)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -495,10 +496,13 @@ def _learned_factory(pair: Any, cfg: BenchConfig, prompt_ids: list[str]) -> Call
     return lambda: policy
 
 
-def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, Any, Any]:
+def _replay_pass(
+    pair: Any, prompts: list[Any], cfg: BenchConfig, sampler: Any
+) -> tuple[Any, Any, Any]:
     """A long-lookahead pass over the same prompts, as collected rows, the latency profile
-    measured now, and the prefill the pass paid (``training.replay.Prefill``): what replay
-    needs to predict the oracle, static-K and learned arms over whole runs."""
+    (``sampler``'s slices from across the timed runs, topped up now) and the prefill the pass
+    paid (``training.replay.Prefill``): what replay needs to predict the oracle, static-K and
+    learned arms over whole runs."""
     import uag
     from controllers.rules import StaticPolicy
     from training.data import from_columns
@@ -508,7 +512,7 @@ def _replay_pass(pair: Any, prompts: list[Any], cfg: BenchConfig) -> tuple[Any, 
     from uag.latency import measure_pair_profile
 
     # Every verify size the loop sends is measured, not extrapolated: lookup copies up to 11.
-    profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES)
+    profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES, sampler=sampler)
     parts = []
     target_prefill = assistant_prefill = 0.0
     for p in prompts:
@@ -599,6 +603,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     import torch
     from tqdm import tqdm
 
+    from uag.latency import pair_sampler
     from uag.prompts import load_prompts
 
     if cfg.repeats < 1:
@@ -633,6 +638,9 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     results = {name: PolicyResult(name) for name in arms}
     for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
         arm(prompts[0].text, 4, seed0)
+    # Replay's prices are sampled across the timed runs, a slice after every prompt, as the
+    # arms are: one measurement at one moment misprices a run these CPUs drift through.
+    sampler = pair_sampler(pair, max_candidates=MAX_CANDIDATES) if "oracle" in names else None
     total = len(prompts) * cfg.repeats * len(arms)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
     order = list(arms)
@@ -672,6 +680,8 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 res.copied_accepted += run.copied_accepted
                 res.runs += 1
                 res.identical_runs += int(run.ids == reference)
+        if sampler is not None:
+            sampler.sample(rounds=1)
     bar.close()
     base = results["target-only"]
     for res in results.values():
@@ -689,14 +699,16 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     ordered = [results[n] for n in arms]
     measured_profile = None
     if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
-        data, profile, prefill = _replay_pass(pair, prompts, cfg)
+        data, profile, prefill = _replay_pass(pair, prompts, cfg, sampler)
         predicted = _exact_predictions(pair, prompts, cfg, policies, profile)
         for res in ordered:
             if res.name == "target-only" and res.name in predicted:
                 res.predicted_seconds = predicted[res.name][2]
             elif res.name in predicted:
                 res.predicted, res.predicted_forwards, res.predicted_seconds = predicted[res.name]
-        measured_profile = profile.to_dict()
+        assert sampler is not None
+        # how many slices and timed rounds the medians are over
+        measured_profile = profile.to_dict() | {"slices": sampler.slices, "rounds": sampler.rounds}
         oracle = _predict_oracle(data, profile, prefill)
         ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
     machine = (

@@ -142,6 +142,112 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class ProfileSampler:
+    """Measures the profile's prices in slices that can be spread over a long run.
+
+    Why: these CPUs drift by several percent over minutes, and not evenly (the assistant's
+    compute-heavy draft step moves more than the target's memory-bound step), so prices taken at
+    one moment of a 30-minute bench misprice the arms timed across it. ``uag bench`` takes a
+    slice after every prompt, as the arms are sampled, and prices replay with the medians of all
+    of them. Each slice sets the context again (the loop between slices moves the caches), runs
+    ``rounds`` rounds of every operation with the order rotated, and the first slice warms every
+    operation up first.
+    """
+
+    def __init__(
+        self,
+        *,
+        target: CachedLM,
+        assistant: CachedLM,
+        target_tokenizer: Any,
+        assistant_tokenizer: Any,
+        max_candidates: int,
+    ) -> None:
+        self.target, self.assistant = target, assistant
+        self.max_candidates = max_candidates
+        self.target_ids = text_ids(target_tokenizer, PROFILE_CONTEXT + max_candidates + 1)
+        self.assistant_ids = text_ids(assistant_tokenizer, PROFILE_CONTEXT + FEED_ROWS)
+        self.stats_times: list[float] = []  # inside each timed verify: its statistics part
+        # Every operation once per round, the order rotated each round (drift over the run
+        # spreads over all of them instead of biasing the last ones); each timed call after its
+        # untimed predecessor as in the loop: a verify after a draft step, a draft step after a
+        # draft step (a round's later drafts; its first follows the verify, with colder caches
+        # and the catch-up rows: ``measure_loop``'s ``catchup_s``), the target-alone step back
+        # to back.
+        draft, verify = self._draft, self._verify
+        self.ops: list[tuple[str, Any, Any]] = [("draft", draft, draft)]
+        self.ops += [("feed", lambda: draft(FEED_ROWS), draft)]
+        self.ops += [
+            (f"verify{m}", lambda m=m: verify(m), draft) for m in range(max_candidates + 1)
+        ]
+        self.ops += [("step", lambda: verify(0, stats=False), lambda: verify(0, stats=False))]
+        self.times: dict[str, list[float]] = {name: [] for name, _, _ in self.ops}
+        self.rounds = 0
+        self.slices = 0
+
+    def _draft(self, rows: int = 1) -> None:
+        a = self.assistant
+        a.ids.extend(self.assistant_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + rows])
+        hidden = a.forward()
+        a.draft(hidden)  # what a draft step computes
+        a.truncate(PROFILE_CONTEXT)
+
+    def _verify(self, m: int, *, stats: bool = True) -> None:
+        t = self.target
+        t.ids.extend(self.target_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + m + 1])
+        hidden = t.forward()
+        head = t.greedy(hidden)
+        if stats:  # what a learned controller's round reads; target-alone decoding does not
+            start = time.perf_counter()
+            head.stats(0)
+            self.stats_times.append(time.perf_counter() - start)
+        t.truncate(PROFILE_CONTEXT)
+
+    def sample(self, rounds: int) -> None:
+        """One slice: ``rounds`` timed rounds of every operation (the first slice: one untimed
+        round before them)."""
+        self.assistant.reset(self.assistant_ids[:PROFILE_CONTEXT], rollback=True)
+        self.assistant.forward()
+        self.target.reset(self.target_ids[:PROFILE_CONTEXT], rollback=True)
+        self.target.forward()
+        device = self.target.device
+        warm = self.slices == 0
+        self.slices += 1
+        for i in range(rounds + int(warm)):
+            timed = i > 0 or not warm
+            shift = self.rounds % len(self.ops)
+            stats_before = len(self.stats_times)
+            for name, fn, before in self.ops[shift:] + self.ops[:shift]:
+                before()
+                _sync(device)
+                start = time.perf_counter()
+                fn()
+                _sync(device)
+                if timed:
+                    self.times[name].append(time.perf_counter() - start)
+            if timed:
+                self.rounds += 1
+            else:
+                del self.stats_times[stats_before:]
+
+    def profile(self) -> LatencyProfile:
+        """The medians of every timed round so far."""
+        if not self.rounds:
+            raise ValueError("no profile round has been timed yet")
+        times = self.times
+        draft_s = statistics.median(times["draft"])
+        verify_s = [statistics.median(times[f"verify{m}"]) for m in range(self.max_candidates + 1)]
+        feed_row_s = (statistics.median(times["feed"]) - draft_s) / (FEED_ROWS - 1)
+        return LatencyProfile(
+            device=describe_device(self.target.device),
+            draft_s=draft_s,
+            verify_s=verify_s,
+            step_s=statistics.median(times["step"]),
+            stats_s=statistics.median(self.stats_times),
+            feed_row_s=max(feed_row_s, 0.0),
+        )
+
+
 def measure_profile(
     *,
     target: CachedLM,
@@ -151,65 +257,17 @@ def measure_profile(
     max_candidates: int,
     repeats: int = 7,
 ) -> LatencyProfile:
-    """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models."""
-    target_ids = text_ids(target_tokenizer, PROFILE_CONTEXT + max_candidates + 1)
-    assistant_ids = text_ids(assistant_tokenizer, PROFILE_CONTEXT + FEED_ROWS)
-
-    def draft(rows: int = 1) -> None:
-        assistant.ids.extend(assistant_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + rows])
-        hidden = assistant.forward()
-        assistant.draft(hidden)  # what a draft step computes
-        assistant.truncate(PROFILE_CONTEXT)
-
-    stats_times: list[float] = []  # inside each timed verify: its statistics part
-
-    def verify(m: int, *, stats: bool = True) -> None:
-        target.ids.extend(target_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + m + 1])
-        hidden = target.forward()
-        head = target.greedy(hidden)
-        if stats:  # what a learned controller's round reads; target-alone decoding does not
-            start = time.perf_counter()
-            head.stats(0)
-            stats_times.append(time.perf_counter() - start)
-        target.truncate(PROFILE_CONTEXT)
-
-    assistant.reset(assistant_ids[:PROFILE_CONTEXT], rollback=True)
-    assistant.forward()
-    target.reset(target_ids[:PROFILE_CONTEXT], rollback=True)
-    target.forward()
-    device = target.device
-    # Every operation once per round, the order rotated each round (drift over the run spreads
-    # over all of them instead of biasing the last ones); each timed call after its untimed
-    # predecessor as in the loop: a verify after a draft step, a draft step after a draft step
-    # (a round's later drafts; its first follows the verify, with colder caches and the
-    # catch-up rows: ``measure_loop``'s ``catchup_s``), the target-alone step back to back.
-    ops: list[tuple[str, Any, Any]] = [("draft", draft, draft)]
-    ops += [("feed", lambda: draft(FEED_ROWS), draft)]
-    ops += [(f"verify{m}", lambda m=m: verify(m), draft) for m in range(max_candidates + 1)]
-    ops += [("step", lambda: verify(0, stats=False), lambda: verify(0, stats=False))]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in ops}
-    for i in range(repeats + 1):
-        shift = i % len(ops)
-        for name, fn, before in ops[shift:] + ops[:shift]:
-            before()
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            if i > 0:  # round 0 warms every operation up
-                times[name].append(time.perf_counter() - start)
-    draft_s = statistics.median(times["draft"])
-    verify_s = [statistics.median(times[f"verify{m}"]) for m in range(max_candidates + 1)]
-    step_s = statistics.median(times["step"])
-    feed_row_s = (statistics.median(times["feed"]) - draft_s) / (FEED_ROWS - 1)
-    return LatencyProfile(
-        device=describe_device(device),
-        draft_s=draft_s,
-        verify_s=verify_s,
-        step_s=step_s,
-        stats_s=statistics.median(stats_times),
-        feed_row_s=max(feed_row_s, 0.0),
+    """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models
+    (one slice of ``repeats`` rounds after a warm-up round)."""
+    sampler = ProfileSampler(
+        target=target,
+        assistant=assistant,
+        target_tokenizer=target_tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+        max_candidates=max_candidates,
     )
+    sampler.sample(rounds=repeats)
+    return sampler.profile()
 
 
 def loop_overheads(records: Sequence[Any], *, draft_s: float) -> tuple[float, float, float]:
@@ -240,18 +298,31 @@ def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> Lat
     return replace(profile, round_s=round_s, catchup_s=catchup_s, catchup_lag=lag)
 
 
-def measure_pair_profile(pair: Any, *, max_candidates: int, repeats: int = 7) -> LatencyProfile:
-    """The full profile of a loaded pair: isolated prices (``measure_profile``) and the loop's
-    own overheads (``measure_loop``)."""
-    profile = measure_profile(
+def pair_sampler(pair: Any, *, max_candidates: int) -> ProfileSampler:
+    """A ``ProfileSampler`` on a loaded pair's models."""
+    return ProfileSampler(
         target=pair.target_lm,
         assistant=pair.assistant_lm,
         target_tokenizer=pair.target.tokenizer,
         assistant_tokenizer=pair.assistant.tokenizer,
         max_candidates=max_candidates,
-        repeats=repeats,
     )
-    return measure_loop(pair, profile)
+
+
+def measure_pair_profile(
+    pair: Any,
+    *,
+    max_candidates: int,
+    repeats: int = 7,
+    sampler: ProfileSampler | None = None,
+) -> LatencyProfile:
+    """The full profile of a loaded pair: isolated prices (``measure_profile``) and the loop's
+    own overheads (``measure_loop``). With ``sampler`` (slices taken earlier in the run), its
+    rounds are topped up to ``repeats`` and the prices are the medians over all of them."""
+    if sampler is None:
+        sampler = pair_sampler(pair, max_candidates=max_candidates)
+    sampler.sample(rounds=max(repeats - sampler.rounds, 1))
+    return measure_loop(pair, sampler.profile())
 
 
 @dataclass(frozen=True)
