@@ -181,12 +181,15 @@ def test_loop_overheads_come_from_the_measured_rounds():
         rec(2, 5.0, 12.0, 3.0, 18.0),
         rec(0, 0.0, 10.0, 0.0, 10.5),  # skipped: no draft step to learn from
         rec(3, 7.0, 13.0, 3.5, 21.5, lag=5),
-        rec(2, 5.0, 12.0, 3.0, 18.5, lag=1),
+        rec(2, 5.0, 12.0, 2.5, 18.5, lag=1),
+        rec(2, 5.0, 12.0, 3.0, 18.5),
     ]
     round_s, catchup_s, lag = loop_overheads(records, draft_s=2.0)
-    assert round_s == pytest.approx(1.5)  # medians of 1.0, 1.5, 1.5
-    assert catchup_s == pytest.approx(1.0)  # median first step 3.0 against 2.0 per step
-    assert lag == 2  # median of 2, 5, 1
+    assert round_s == pytest.approx(1.5)  # median of 1.0, 1.5, 1.5, 1.5
+    # measured where the fewest tokens were fed (lag 1: 2.5 against 2.0 per step), not the
+    # median first step over every lag (3.0, a lag-2 one) quoted at the median lag
+    assert catchup_s == pytest.approx(0.5)
+    assert lag == 1
     assert loop_overheads(records[:2], draft_s=2.0) == (0.0, 0.0, 0.0)
 
 

@@ -80,7 +80,8 @@ class LatencyProfile:
     catchup_s: float = 0.0
     """Extra cost of a round's first draft step over ``draft_s`` (it feeds the catch-up rows)."""
     catchup_lag: float = 0.0
-    """The median ``DraftContext.lag`` of the rounds ``catchup_s`` was measured over."""
+    """The ``DraftContext.lag`` of the rounds ``catchup_s`` was measured over (the fewest tokens
+    a measured round fed; older profiles: the median lag)."""
     feed_row_s: float = 0.0
     """Each further token a draft step feeds (catching up on text the assistant has not seen,
     e.g. after prompt lookup's rounds): a lag beyond ``catchup_lag`` costs this per token."""
@@ -271,16 +272,20 @@ def measure_profile(
 
 
 def loop_overheads(records: Sequence[Any], *, draft_s: float) -> tuple[float, float, float]:
-    """``(round_s, catchup_s, catchup_lag)`` from a measured run's ``IterationRecord``s (medians
-    over its drafting rounds, leaving out the first two: the target's and the assistant's
-    prefill)."""
+    """``(round_s, catchup_s, catchup_lag)`` from a measured run's ``IterationRecord``s, leaving
+    out the first two rounds (the target's and the assistant's prefill): the median overhead per
+    drafting round, and what a round's first draft step costs beyond ``draft_s`` in the rounds
+    that fed the fewest tokens (``catchup_lag``, 1 in practice), so that ``catchup(lag)`` adds
+    ``feed_row_s`` per further token on a base measured at that same lag. (A median over every
+    lag, quoted at the median lag, priced lag-2 rounds one row too dear: where most rounds feed
+    two tokens, the median first step is a two-token one.)"""
     rounds = [r for r in records[1:] if r.drafted][1:]
     if not rounds:
         return 0.0, 0.0, 0.0
     round_s = statistics.median(r.round_s - r.draft_s - r.verify_s for r in rounds)
-    catchup_s = statistics.median(r.first_draft_s for r in rounds) - draft_s
-    lag = float(statistics.median(r.lag for r in rounds))
-    return max(round_s, 0.0), max(catchup_s, 0.0), lag
+    lag = min(r.lag for r in rounds)
+    catchup_s = statistics.median(r.first_draft_s for r in rounds if r.lag == lag) - draft_s
+    return max(round_s, 0.0), max(catchup_s, 0.0), float(lag)
 
 
 def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> LatencyProfile:
