@@ -146,11 +146,12 @@ def _sync(device: torch.device) -> None:
 class ProfileSampler:
     """Measures the profile's prices in slices that can be spread over a long run.
 
-    Why: these CPUs drift by several percent over minutes, and not evenly (the assistant's
-    compute-heavy draft step moves more than the target's memory-bound step), so prices taken at
-    one moment of a 30-minute bench misprice the arms timed across it. ``uag bench`` takes a
-    slice after every prompt, as the arms are sampled, and prices replay with the medians of all
-    of them. Each slice sets the context again (the loop between slices moves the caches), runs
+    Why: these CPUs drift by several percent over minutes, so prices taken at one moment of a
+    30-minute bench price arms timed across the whole run with that moment's machine. ``uag
+    bench`` takes a slice after every prompt, as the arms are sampled, and prices replay with the
+    medians of all of them: drift reaches prices and arms alike. (On the run that introduced it,
+    replay's error barely moved: that error was pricing, fixed in ``uag.dryrun`` and
+    ``loop_overheads``; but no run's prices now hang on one moment.) Each slice sets the context again (the loop between slices moves the caches), runs
     ``rounds`` rounds of every operation with the order rotated, and the first slice warms every
     operation up first.
     """
