@@ -250,28 +250,6 @@ class ProfileSampler:
         )
 
 
-def measure_profile(
-    *,
-    target: CachedLM,
-    assistant: CachedLM,
-    target_tokenizer: Any,
-    assistant_tokenizer: Any,
-    max_candidates: int,
-    repeats: int = 7,
-) -> LatencyProfile:
-    """Measure draft and verify costs for 0..``max_candidates`` candidates on the real models
-    (one slice of ``repeats`` rounds after a warm-up round)."""
-    sampler = ProfileSampler(
-        target=target,
-        assistant=assistant,
-        target_tokenizer=target_tokenizer,
-        assistant_tokenizer=assistant_tokenizer,
-        max_candidates=max_candidates,
-    )
-    sampler.sample(rounds=repeats)
-    return sampler.profile()
-
-
 def loop_overheads(records: Sequence[Any], *, draft_s: float) -> tuple[float, float, float]:
     """``(round_s, catchup_s, catchup_lag)`` from a measured run's ``IterationRecord``s, leaving
     out the first two rounds (the target's and the assistant's prefill): the median overhead per
@@ -322,7 +300,7 @@ def measure_pair_profile(
     repeats: int = 7,
     sampler: ProfileSampler | None = None,
 ) -> LatencyProfile:
-    """The full profile of a loaded pair: isolated prices (``measure_profile``) and the loop's
+    """The full profile of a loaded pair: isolated prices (``ProfileSampler``) and the loop's
     own overheads (``measure_loop``). With ``sampler`` (slices taken earlier in the run), its
     rounds are topped up to ``repeats`` and the prices are the medians over all of them."""
     if sampler is None:
