@@ -684,13 +684,11 @@ def test_lean_final_norm_in_c_is_rowwise_and_close_to_torch(tokenizers):
 @needs_native
 @pytest.mark.parametrize("form", ["block_int8", "block_affine"])
 def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
-    """Heads held in exact blocks (Gemma's is block int8), screened (where ``exact_head`` does
-    not run), take the C exact step: the same ids and logits as the torch path, the full
-    product's values at the winners, and an exact tie between two identical rows goes to the
-    lower id."""
+    """Heads held in exact blocks (Gemma's is block int8) take the C exact step: the same ids
+    and logits as the torch path, the full product's values at the winners, and an exact tie
+    between two identical rows goes to the lower id."""
     from uag.screened import ScreenedHead
 
-    monkeypatch.setattr(ScreenedHead, "exact_head", lambda self: None)
     gen = torch.Generator().manual_seed(5)
     if form == "block_int8":
         head = _gguf_like_linear(2000, 128, steps=127, seed=5)
@@ -718,67 +716,28 @@ def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
     assert again == ids and torch.equal(torch_logits, logits)
 
 
-@needs_native
-def test_exact_block_head_takes_the_argmax_of_the_exact_product():
-    """Where ``exact.c`` runs, a head held in exact blocks decides greedily by the exact block
-    product: up to ``EXACT_ROWS`` rows from every logit, longer forwards by screening and then
-    computing the candidates with that product. Either way a row's id is that product's argmax
-    (an exact tie between two identical rows goes to the lower id) and its logit there is
-    bitwise the product's, computed alone or among others, at every row count (row-count
-    invariance, what lossless verification needs); the logits are the exact product plus the
-    head's bias to within a few roundings, and sampling reads the same."""
+@pytest.mark.parametrize("form", ["block_int8", "fp32"])
+def test_full_head_sampling_reads_includes_the_bias(form):
+    """The full head sampling reads (``ScreenedHead.full_head``) is the head's logits, bias
+    included, whichever form holds the weight (the exact blocks, their ``exact.c`` copy, an
+    fp32 copy): those forms hold the weight alone, and a head with a bias was sampled without
+    it."""
     from uag.screened import ScreenedHead
 
-    head = _gguf_like_linear(2000, 128, steps=127, seed=5)
+    if form == "block_int8":
+        head = _gguf_like_linear(512, 64, steps=127, seed=3)
+    else:
+        head = nn.Linear(64, 512)
     with torch.no_grad():
-        head.weight[5] *= 8
-        head.weight[1500] = head.weight[5]  # a tie whenever row 5 wins
-        head.bias[1500] = head.bias[5]
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(9, 128, generator=gen) * 3
-    x[2] = head.weight[5] * 40  # row 2: ids 5 and 1500 tie at the top
-    x[7] = head.weight[1500] * 40  # and in the rows a 9-row forward screens
+        head.bias.mul_(50)  # large enough to move the distribution
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     screened = ScreenedHead(head)
-    exact = screened.exact_head()
-    if exact is None:
-        pytest.skip("exact.c does not run on this CPU (needs AVX-512 VNNI)")
-    full = exact(x)
-    top = full.argmax(-1).tolist()
-    assert top[2] == top[7] == 5 and full[2, 5] == full[2, 1500]
-    for rows in (1, 2, 4, 5, 8, 9):
-        for start in range(0, 9 - rows + 1, rows):
-            ids, logits = screened.greedy(x[start : start + rows])
-            assert ids == top[start : start + rows]
-            picked = torch.arange(rows), torch.tensor(ids)
-            assert torch.equal(logits[picked], full[start : start + rows][picked])
-            if rows <= screened.EXACT_ROWS:
-                assert torch.equal(logits, full[start : start + rows])
-            else:
-                assert screened.last_candidates < 2000 * rows  # screened, not every logit
-    assert native.NativeLinear(head)(x).argmax(-1).tolist() == top
+    assert (screened.exact is not None) == (form == "block_int8")
+    full = screened.full_head()(x).double()
     w = head.weight.double()
-    exact64 = x.double() @ w.T + head.bias.double()  # the head has a bias: the logits include it
+    reference = x.double() @ w.T + head.bias.double()
     scale = x.double().abs() @ w.abs().T + head.bias.double().abs()
-    assert ((full.double() - exact64).abs() <= 4 * 2.0**-24 * scale).all()
-    assert torch.equal(screened.full_head()(x), full)  # what sampling reads: the same logits
-
-
-@needs_native
-def test_argmax_rows_is_torchs_argmax():
-    """The C argmax (``screen.c``) takes the first maximum, the first NaN of a row that has
-    one, and id 0 for a row of -inf, as ``torch.argmax`` does, at every length and row."""
-    gen = torch.Generator().manual_seed(0)
-    for width in (1, 7, 8, 9, 300, 262_147):
-        x = torch.randint(-3, 4, (6, width), generator=gen).float()  # many ties
-        x[1, width // 2] = float("nan")
-        if width > 2:
-            x[1, width - 1] = float("nan")
-        x[2] = float("-inf")
-        x[3, -1] = 100.0  # the maximum in the scalar tail
-        x[4, 0] = float("inf")
-        view = torch.cat([x, x], dim=1)[:, :width]  # a row stride longer than the row
-        for logits in (x, view):
-            assert native.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert ((full - reference).abs() <= 8 * 2.0**-24 * scale + 1e-6).all()
 
 
 def _q4k_like_linear(out: int, width: int, *, seed: int = 0) -> nn.Linear:

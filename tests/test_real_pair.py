@@ -53,12 +53,11 @@ def test_real_target_rows_are_bitwise_invariant(real_pair):
 
 
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
-def test_real_screened_head_is_the_fp32_argmax(real_pair, plain_target, monkeypatch):
-    """Gemma's head picks the fp32 head's token at every position of real text: where exact.c
-    runs, as the argmax of the logits sampling reads (within 4 roundings of sum |x||w| of the
-    exact product, closer than fp32); screened with int8 (elsewhere) exactly the fp32 argmax,
-    that token's logit computed exactly, with only a few dozen exact rows per position. Its
-    exact blocks (no fp32 copy kept) give the fp32 head's logits bitwise."""
+def test_real_screened_head_is_the_fp32_argmax(real_pair, plain_target):
+    """Gemma's int8-screened head picks exactly the fp32 head's token at every position of real
+    text (and computes that token's logit exactly), with only a few dozen exact rows per position;
+    its exact blocks (no fp32 copy kept) give the fp32 head's logits bitwise, and the full head
+    sampling reads is within 4 roundings (of sum |x||w|) of the exact product, closer than fp32."""
     from uag.screened import ScreenedHead
 
     lm = real_pair.target_lm
@@ -79,28 +78,17 @@ def test_real_screened_head_is_the_fp32_argmax(real_pair, plain_target, monkeypa
     fp32 = ((full.double() - exact).abs() / scale).max().item()
     assert ours <= 4 * 2.0**-24 and ours < fp32  # measured: ~2.5 roundings of sum |x||w|, fp32 ~16
     top = full.argmax(-1)
-    if screened.exact_head() is not None:  # greedy decides by exact.c's logits: fp32's argmax here
-        picked = torch.arange(len(top)), top
-        for rows in (1, screened.EXACT_ROWS + 1):  # every logit; screened, then the candidates
-            for start in range(0, 3 * rows, rows):
-                ids, logits = screened.greedy(hidden[start : start + rows])
-                assert ids == top[start : start + rows].tolist()
-        ids, logits = screened.greedy(hidden)  # every position at once
-        assert ids == top.tolist() and torch.equal(logits[picked], sampling(hidden)[picked])
-    # Screening, which CPUs without exact.c decide by: the default, and rows with > 256
-    # candidates narrowed by a second level.
-    monkeypatch.setattr(ScreenedHead, "exact_head", lambda self: None)
     default = screened.RESCREEN
-    try:
+    try:  # the default, and rows with > 256 candidates narrowed by a second level
         for rescreen in (default, 256):
             screened.RESCREEN = rescreen
             logits = screened(hidden)
             assert torch.equal(logits.argmax(-1), top)
             rows = torch.arange(len(top))
             assert torch.equal(logits[rows, top], full[rows, top])
-        assert screened.last_candidates < 32 * len(top)  # the bounds are tight: ~21 per position
     finally:
         screened.RESCREEN = default
+    assert screened.last_candidates < 32 * len(top)  # the bounds are tight: ~21 per position
 
 
 @pytest.fixture(scope="module")

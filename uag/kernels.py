@@ -253,9 +253,8 @@ def fast_head_for(model: Any, mode: str) -> nn.Module:
     """The model's LM head on ``mode``'s kernels (``native`` or ``onednn``), built once per model
     and kept beside it.
 
-    ``native``: ``uag.screened.ScreenedHead``: the exact block product where ``exact.c`` runs
-    (a copy in its layout, Gemma: 189 MB), an int8 copy (168 MB) that screens longer forwards,
-    and the original weight for the few candidate rows. ``onednn``: a packed copy (671 MB). Either
+    ``native``: ``uag.screened.ScreenedHead``, an int8 copy (Gemma: 168 MB) that screens and the
+    original fp32 weight for the few candidate rows. ``onednn``: a packed copy (671 MB). Either
     way the original's file pages are released and fault back in only for the rows read.
     """
     head = getattr(model, "_uag_fast_head", None)

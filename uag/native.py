@@ -148,14 +148,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.uag_gather_rows.argtypes = [i64, p, p, i64, p, i64, ctypes.c_float, p]
     lib.uag_linear_x8.restype = None
     lib.uag_linear_x8.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, p, p, i64]
-    lib.uag_linear_x8_groups.restype = None
-    lib.uag_linear_x8_groups.argtypes = [p, i64, i64, i64, p, p, i64, i64, p, i64, p, p, i64]
     lib.uag_x8_available.restype = i64
     lib.uag_x8_available.argtypes = []
     lib.uag_draft_stats.restype = i64
     lib.uag_draft_stats.argtypes = [p, i64, p]
-    lib.uag_argmax_rows.restype = None
-    lib.uag_argmax_rows.argtypes = [p, i64, i64, i64, p]
     return lib
 
 
@@ -797,30 +793,6 @@ class NativeLinear(nn.Module):
         part.out_features = part.padded_out = rows
         return part
 
-    def group_outputs(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """An integer layer's (``exact.c``) outputs in groups ``groups`` (16 consecutive
-        outputs each) for rows ``x`` ``[n, in]``: ``[n, 16 · len(groups)]``, bitwise the full
-        product's values (``exact.c`` takes every group on its own), bias included.
-
-        Why: the greedy head's candidates in a long verify (``uag.screened``) need the full
-        product's own values for a few dozen outputs of 262,144."""
-        if not self.integer or self.lib is None:
-            raise ValueError("group_outputs() needs an integer (exact.c) layer")
-        rows = x.reshape(-1, self.in_features).float()
-        if self.padded_in != self.in_features:
-            rows = F.pad(rows, (0, self.padded_in - self.in_features))
-        rows = rows.contiguous()
-        index = groups.to(torch.int64).contiguous()
-        y = torch.empty(rows.shape[0], len(index) * X8_GROUP)
-        self.lib.uag_linear_x8_groups(
-            rows.data_ptr(), self.padded_in, rows.shape[0], self.padded_in,
-            self.weight_ilv.data_ptr(), self.block_scales.data_ptr(), self.x8_block,
-            int(self.x8_affine), index.data_ptr(), len(index),
-            None if self.bias_padded is None else self.bias_padded.data_ptr(),
-            y.data_ptr(), y.shape[1],
-        )  # fmt: skip
-        return y
-
     def streamed(self) -> list[tuple[nn.Module, str]]:
         """The tensors every forward reads in full, as (owner, attribute) slots for
         ``uag.hugepages.move``."""
@@ -1002,20 +974,6 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
             p.bias_padded = fused.bias_padded[start * rows : (start + blocks) * rows]
         start += blocks
     return fused
-
-
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax of ``logits`` ``[n, V]`` as ``torch.argmax`` takes it (the first
-    maximum; the first NaN in a row that has one), in one C pass per row (``screen.c``) on CPU
-    float32 where the kernels are built (torch: ~0.5 ms a row of Gemma's 262,144), else torch."""
-    lib = _library()[0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if lib is None or logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
-        return logits.argmax(dim=-1).tolist()
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    lib.uag_argmax_rows(
-        logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
-    )
-    return out.tolist()
 
 
 def draft_stats(logits: torch.Tensor) -> tuple[int, float, float, float]:

@@ -1,17 +1,4 @@
-"""An exact greedy LM head: every logit of the exact block product where the CPU runs
-``exact.c``, else screen with int8 and decide with fp32.
-
-Where the head is held in exact blocks (Gemma's Q8_0) and ``exact.c`` runs (AVX-512 VNNI),
-the greedy head decides by the exact block product (``exact_head``: integer sums, one float
-rounding per block, the logits sampling reads): forwards of up to ``EXACT_ROWS`` rows compute
-every logit and take the C argmax; longer ones screen as below and compute only the candidates
-with that product (``uag_linear_x8_groups``: the same bits). A row's token is the product's
-argmax at every row count, so verification stays lossless by construction; the fp32 head's
-argmax is the same except where fp32's own rounding would swap two logits. Why: screening
-(~9 ms for Gemma's 168 MB int8 copy at one row, plus candidates and bounds) cost more than the
-whole exact product at 1-4 rows. Measured end to end (10 held-out prompts, 128 tokens, both
-heads alternating in one process, identical tokens): target-only 10 %, static-2 7 %, learned
-2.6 %, lookup 1.5 % less time. The rest of this docstring is the screening.
+"""An exact greedy LM head that reads int8 weights: screen with int8, decide with fp32.
 
 Why: Gemma 3's head is 262,144 × 640, 671 MB of fp32 read every step: ~40% of a target step on
 these CPUs. Greedy decoding needs only the argmax, and an int8 copy (a quarter of the bytes)
@@ -63,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from uag.native import NativeLinear, argmax_rows, fp32_product
+from uag.native import NativeLinear, fp32_product
 
 CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. In 1969, 3 astronauts flew 384,400 km.\n"
@@ -89,7 +76,8 @@ def error_bound(in_features: int) -> float:
 
 
 class _Biased(nn.Module):
-    """A product plus the head's bias (the exact block forms hold the weight alone)."""
+    """A product plus the head's bias (the exact block forms and the fp32 copy hold the weight
+    alone): what sampling reads must be the head's logits, bias included."""
 
     def __init__(self, product: nn.Module, bias: torch.Tensor) -> None:
         super().__init__()
@@ -100,7 +88,7 @@ class _Biased(nn.Module):
         return self.product(x) + self.bias
 
     def streamed(self) -> list[tuple[nn.Module, str]]:
-        inner = getattr(self.product, "streamed", None)
+        inner: Any = getattr(self.product, "streamed", None)
         return (inner() if inner is not None else []) + [(self, "bias")]
 
 
@@ -112,13 +100,6 @@ class ScreenedHead(nn.Module):
 
     OUTLIERS = 16
     """Channels quantised on their own scale (``calibrate``)."""
-    EXACT_ROWS = 4
-    """Forwards of up to this many rows take every logit from ``exact_head`` where it runs
-    (its AMX tiles hold four rows' activation planes); longer ones screen first and compute
-    only the candidates with it (the same bits, so the same argmax at every row count). Gemma 3,
-    2-core Xeon with AMX, the target's forward and head alternating in one process: every
-    logit 1.2 / 2.1 / 2.4 ms cheaper than screening at 1 / 3 / 4 rows, 0.4-3.8 ms dearer at
-    5-9 rows."""
     RESCREEN = 4096
     """A row with more candidates than this is screened again with two activation levels (below
     it, computing them exactly is cheaper: at 256, 14 % of the head calls on 12 held-out prompts
@@ -203,17 +184,11 @@ class ScreenedHead(nn.Module):
         return self.greedy(hidden)[1]
 
     def streamed(self) -> list[tuple[nn.Module, str]]:
-        """What ``greedy`` calls read in full (``uag.hugepages.move``): the int8 product's
-        weights and the per-row bounds (screening), and where ``exact_head`` runs its exact
-        blocks in ``exact.c``'s layout (short forwards read those instead)."""
-        exact = self.exact_head()
-        screening = self.approx.streamed() + [
+        """What every ``greedy`` call reads in full (``uag.hugepages.move``): the int8 product's
+        weights and the per-row bounds."""
+        return self.approx.streamed() + [
             (self, name) for name in ("row_bound", "row_l1", "row_l1_out")
         ]
-        if exact is None:
-            return screening
-        streamed: Any = exact.streamed  # a NativeLinear's, or _Biased's
-        return streamed() + screening
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The head's fp32 weight rows ``ids`` (``[len(ids), h]``)."""
@@ -223,11 +198,11 @@ class ScreenedHead(nn.Module):
         return self.weight[ids].float()
 
     def full_head(self) -> nn.Module:
-        """Every logit (what sampling reads, and greedy decoding where ``exact_head`` runs),
-        built on first use: the exact blocks on ``exact.c`` where this CPU runs it (a copy in
-        its layout, +189 MB for Gemma: its multi-row products cost a fraction of the fp32
-        multiply-adds, 8 rows ~10 ms against ~17), else the exact blocks themselves, else an
-        fp32 native copy of the original (+671 MB for Gemma); plus the head's bias, if any."""
+        """Every logit (what sampling reads), built on first use: the exact blocks on
+        ``exact.c`` where this CPU runs it (a copy in its layout, +189 MB for Gemma: its
+        multi-row products cost a fraction of the fp32 multiply-adds, 8 rows ~10 ms against
+        ~17), else the exact blocks themselves, else an fp32 native copy of the original
+        (+671 MB for Gemma); plus the head's bias, which those forms do not hold."""
         if self._full is None:
             if self.exact is not None:
                 product: nn.Module = self.exact.integer_copy() or self.exact
@@ -239,37 +214,14 @@ class ScreenedHead(nn.Module):
             self._full = product if self.bias is None else _Biased(product, self.bias)
         return self._full
 
-    def exact_head(self) -> nn.Module | None:
-        """``full_head`` where it is the exact blocks on ``exact.c`` (this CPU runs them), else
-        None.
-
-        Why the greedy head uses it there: every logit of the exact block product (integer
-        sums, one float rounding per block: row-count invariant by construction) costs less
-        than screening with the int8 copy and computing the candidates, and almost nothing per
-        extra row (AMX takes four rows' activation planes in one tile). Gemma 3, 2-core Xeon
-        with AMX: 8.6 / 8.9 / 10.7 / 12.3 ms for 1 / 3 / 5 / 8 rows, plus a C argmax, against
-        screening's 10.3 / 12.4 / 14.7 / 14.4 ms, the same ids.
-        """
-        if self.exact is None:
-            return None
-        full = self.full_head()
-        product = full.product if isinstance(full, _Biased) else full
-        return None if product is self.exact else full
-
     def greedy(self, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """``hidden [..., h]`` → (argmax per row, logits ``[..., V]``).
+        """``hidden [..., h]`` → (fp32 argmax per row, logits ``[..., V]``).
 
-        Where ``exact_head`` runs: the argmax of every exact logit (ties to the lowest id).
-        Otherwise screening: the argmax is taken over the candidates only (a non-candidate's
-        int8 logit is below the floor, which some candidate's exact logit reaches, so it can
-        never win, not even a tie), and no full-vocabulary argmax pass is needed.
+        The argmax is taken over the candidates only: a non-candidate's int8 logit is below
+        the floor, which some candidate's exact logit reaches, so it can never win (not even a
+        tie), and no full-vocabulary argmax pass is needed.
         """
         x = hidden.reshape(-1, self.in_features).float().contiguous()  # [n, h]
-        exact = self.exact_head()
-        if exact is not None and x.shape[0] <= self.EXACT_ROWS:
-            logits = exact(x)
-            self.last_candidates = 0
-            return argmax_rows(logits), logits.reshape(*hidden.shape[:-1], self.out_features)
         norms = x.abs().sum(dim=-1)
         logits, missed = self.approximate(x)
         rows, cols = self._candidates(logits, norms, missed)
@@ -279,41 +231,13 @@ class ScreenedHead(nn.Module):
                 logits[wide], missed[wide] = self.approximate(x[wide], levels=2)
                 rows, cols = self._candidates(logits, norms, missed)
         self.last_candidates = int(cols.numel())
-        if exact is not None:  # the candidates' values from exact_head: its argmax, its bits
-            return self._exact_candidates(exact, x, rows, cols, logits), logits.reshape(
-                *hidden.shape[:-1], self.out_features
-            )
         ids = self._exact_in_c(x, rows, cols, logits)
         if ids is None:  # torch: the same values (the exact weight's rows, the same kernel)
             union, where = torch.unique(cols, return_inverse=True)
-            values = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
-            logits[rows, cols] = values
-            ids = _row_argmax(rows, cols, values, x.shape[0])
+            exact = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
+            logits[rows, cols] = exact
+            ids = _row_argmax(rows, cols, exact, x.shape[0])
         return ids, logits.reshape(*hidden.shape[:-1], self.out_features)
-
-    def _exact_candidates(
-        self,
-        exact: nn.Module,
-        x: torch.Tensor,
-        rows: torch.Tensor,
-        cols: torch.Tensor,
-        logits: torch.Tensor,
-    ) -> list[int]:
-        """``exact_head``'s values for the candidates into ``logits``, and each row's argmax
-        among them: bitwise what ``exact_head``'s full product gives those tokens (the groups
-        of 16 outputs that hold them, computed on their own), so the argmax is the full
-        product's. The screening bound covers them: they lie within a few roundings of the
-        exact product, well inside the fp32 accumulation term the bound allows."""
-        product = exact.product if isinstance(exact, _Biased) else exact
-        assert isinstance(product, NativeLinear)
-        groups, where = torch.unique(
-            torch.div(cols, 16, rounding_mode="floor"), return_inverse=True
-        )
-        values = product.group_outputs(x, groups)[rows, where * 16 + cols % 16]
-        if self.bias is not None:
-            values = values + self.bias[cols]
-        logits[rows, cols] = values
-        return _row_argmax(rows, cols, values, x.shape[0])
 
     def _exact_in_c(
         self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, logits: torch.Tensor

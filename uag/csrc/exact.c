@@ -361,14 +361,13 @@ static int x8_path(int64_t M) {
  * kernel (elsewhere skinny.c's block paths, whose fp32 products are as exact). */
 int64_t uag_x8_available(void) { return uag_use_avx512vnni(); }
 
-/* The product for output groups gidx[0..groups) (16 outputs each; gidx NULL: every group in
- * order), group j's outputs written to y's columns 16 j .. 16 j + 15. Each group is computed on
- * its own, so its outputs are bitwise the same whichever groups share the call. */
-static void linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                      const float *params, int64_t blk, int64_t affine, const int64_t *gidx,
-                      int64_t groups, const float *bias, float *y, int64_t ldy) {
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the block weights (layout above;
+ * blk 32 or 16; affine: params hold bases too) + bias. N a multiple of 16, K of blk. */
+void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
+                   const float *params, int64_t blk, int64_t affine, int64_t N,
+                   const float *bias, float *y, int64_t ldy) {
     const int path = x8_path(M);
-    const int64_t KB = K / blk, np = affine ? 2 : 1;
+    const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1;
     /* AMX: passes of mc rows (the last padded with zero planes: one tile shape for all) */
     const int64_t per = M <= XAMX_ROWS || M > XAMX_WIDE ? XAMX_ROWS : XAMX_WIDE;
     const int64_t passes = path == 2 ? (M + per - 1) / per : 1;
@@ -392,8 +391,7 @@ static void linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const i
         if (path == 2) xamx_configure(R, blk);
 #endif
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < groups; j++) {
-            const int64_t g = gidx ? gidx[j] : j;
+        for (int64_t g = 0; g < groups; g++) {
             memset(acc, 0, sizeof(float) * (size_t)(passes * mc) * XL);
             const int8_t *wg = w + g * K * XL;
             const float *pg = params + g * KB * np * XL;
@@ -426,9 +424,10 @@ static void linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const i
             }
             for (int64_t m = 0; m < M; m++)
                 for (int n = 0; n < XL; n++) {
+                    const int64_t o = g * XL + n;
                     float v = acc[m * XL + n] * unit[m];
-                    if (bias) v += bias[g * XL + n];
-                    y[m * ldy + j * XL + n] = v;
+                    if (bias) v += bias[o];
+                    y[m * ldy + o] = v;
                 }
         }
 #if HAVE_AMX
@@ -438,20 +437,4 @@ static void linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const i
         free(acc);
     }
     free(planes), free(xsum), free(unit);
-}
-
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the block weights (layout above;
- * blk 32 or 16; affine: params hold bases too) + bias. N a multiple of 16, K of blk. */
-void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *params, int64_t blk, int64_t affine, int64_t N,
-                   const float *bias, float *y, int64_t ldy) {
-    linear_x8(x, ldx, M, K, w, params, blk, affine, NULL, N / XL, bias, y, ldy);
-}
-
-/* The same product for the output groups gidx[0..G) only (the greedy head's candidates:
- * uag/screened.py), group j's 16 outputs in y's columns 16 j ..: bitwise uag_linear_x8's. */
-void uag_linear_x8_groups(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                          const float *params, int64_t blk, int64_t affine, const int64_t *gidx,
-                          int64_t G, const float *bias, float *y, int64_t ldy) {
-    linear_x8(x, ldx, M, K, w, params, blk, affine, gidx, G, bias, y, ldy);
 }

@@ -180,36 +180,3 @@ int64_t uag_draft_stats(const float *l, int64_t V, double *out) {
     out[2] = log(zs) - ts / zs;
     return top;
 }
-
-/* Each row's argmax, as torch.argmax takes it: the first maximum (ties to the lowest id), and
- * the first NaN where a row has one. Why: the greedy head over the exact block product
- * (screened.py) takes the argmax of every logit, and torch's argmax took ~0.5 ms a row of
- * 262,144 entries (a vector max and one scan for its first index: ~0.05 ms). Rows in parallel. */
-void uag_argmax_rows(const float *l, int64_t n, int64_t V, int64_t ld, int64_t *out) {
-#pragma omp parallel for schedule(static) if (n > 1)
-    for (int64_t m = 0; m < n; m++) {
-        const float *x = l + m * ld;
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        __m256 nan = _mm256_setzero_ps();
-        int64_t v = 0;
-        for (; v + 8 <= V; v += 8) {
-            const __m256 y = _mm256_loadu_ps(x + v);
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-            mx = _mm256_max_ps(mx, y);
-        }
-        float best = -INFINITY;
-        int has_nan = _mm256_movemask_ps(nan) != 0;
-        for (int i = 0; i < 8; i++) best = mx[i] > best ? mx[i] : best;
-        for (; v < V; v++) {
-            if (isnan(x[v])) has_nan = 1;
-            best = x[v] > best ? x[v] : best;
-        }
-        int64_t at = 0;
-        if (has_nan) {
-            while (!isnan(x[at])) at++;
-        } else {
-            while (at < V - 1 && x[at] != best) at++; /* all -inf: id 0, as torch */
-        }
-        out[m] = at;
-    }
-}
