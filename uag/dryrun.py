@@ -196,8 +196,7 @@ def priced_seconds(
         )
         + (r.policy_s if timed_policy else 0.0)
         - (profile.stats_s if r.lookup or not run.reads_features else 0.0)
-        for i, r in enumerate(run.records)
-        if i > 0
+        for i, r in enumerate(run.records[1:], start=1)
     )
     return trace.prefill_s + run.assistant_prefill_s + rounds
 

@@ -151,9 +151,9 @@ class ProfileSampler:
     bench`` takes a slice after every prompt, as the arms are sampled, and prices replay with the
     medians of all of them: drift reaches prices and arms alike. (On the run that introduced it,
     replay's error barely moved: that error was pricing, fixed in ``uag.dryrun`` and
-    ``loop_overheads``; but no run's prices now hang on one moment.) Each slice sets the context again (the loop between slices moves the caches), runs
-    ``rounds`` rounds of every operation with the order rotated, and the first slice warms every
-    operation up first.
+    ``loop_overheads``; but no run's prices now hang on one moment.) Each slice sets the
+    context again (the loop between slices moves the caches), runs ``rounds`` rounds of every
+    operation with the order rotated, and the first slice warms every operation up first.
     """
 
     def __init__(

@@ -793,6 +793,15 @@ class NativeLinear(nn.Module):
         part.out_features = part.padded_out = rows
         return part
 
+    def with_bias(self, bias: torch.Tensor) -> NativeLinear:
+        """This layer plus ``bias`` (``[out]``), sharing its weights: every kernel adds a bias
+        in its own epilogue. Why: the exact block forms are built from a weight alone (an LM
+        head's ``ScreenedHead.exact``), and what sampling reads must include the head's bias."""
+        part = copy.copy(self)  # its own attribute dictionary; the weights shared
+        part._buffers = dict(self._buffers)
+        part.bias_padded = F.pad(bias.detach().float(), (0, self.padded_out - self.out_features))
+        return part
+
     def streamed(self) -> list[tuple[nn.Module, str]]:
         """The tensors every forward reads in full, as (owner, attribute) slots for
         ``uag.hugepages.move``."""

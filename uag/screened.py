@@ -75,23 +75,6 @@ def error_bound(in_features: int) -> float:
     return (0.5 + 2 * 127 * gamma) * 1.01
 
 
-class _Biased(nn.Module):
-    """A product plus the head's bias (the exact block forms and the fp32 copy hold the weight
-    alone): what sampling reads must be the head's logits, bias included."""
-
-    def __init__(self, product: nn.Module, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.product = product
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x) + self.bias
-
-    def streamed(self) -> list[tuple[nn.Module, str]]:
-        inner: Any = getattr(self.product, "streamed", None)
-        return (inner() if inner is not None else []) + [(self, "bias")]
-
-
 class ScreenedHead(nn.Module):
     """``hidden [n, h]`` → logits ``[n, V]`` whose argmax is exactly the fp32 head's."""
 
@@ -205,13 +188,13 @@ class ScreenedHead(nn.Module):
         (+671 MB for Gemma); plus the head's bias, which those forms do not hold."""
         if self._full is None:
             if self.exact is not None:
-                product: nn.Module = self.exact.integer_copy() or self.exact
+                full = self.exact.integer_copy() or self.exact
             else:
                 assert self.weight is not None
                 part = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
                 part.weight = nn.Parameter(self.weight, requires_grad=False)
-                product = NativeLinear(part, exact_blocks=False)
-            self._full = product if self.bias is None else _Biased(product, self.bias)
+                full = NativeLinear(part, exact_blocks=False)
+            self._full = full if self.bias is None else full.with_bias(self.bias)
         return self._full
 
     def greedy(self, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
