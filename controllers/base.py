@@ -80,6 +80,10 @@ class DraftStep:
     """How much of the text ending with this token already occurs earlier in the prompt and the
     text before it, in bytes (``uag.features.repeat_length``: 0, 3, 6, 12 or 24); 0 when the loop
     does not compute features."""
+    respelled: int = 0
+    """Bytes at the start of this token that spell text the target already emitted: the
+    assistant's last token was taken back and drafted again (token healing, ``uag.speculative``),
+    so they are accepted whatever comes next."""
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,53 @@ def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
     tok0.save_pretrained(outside)
     tokcache.load_tokenizer(str(outside))
     assert not list(outside.glob("uag-tokenizer-*")) and not list(tmp_path.glob("cache/token*"))
+
+
+def test_resync_encodes_a_merged_boundary_again(sides):
+    """SmolLM2 spells ``\\n`` + ``    return`` as ``\\n···`` + ``·return``: after a tail ending in
+    ``\\n`` the newline is taken back and encoded with what follows, the text kept exactly;
+    where nothing merges it is ``continuation`` (nothing dropped), on either side."""
+    _, smol = sides
+    tail = smol.encode('    """\n')
+    drop, ids = smol.resync(tail_ids=tail, new=b"    return x")
+    assert drop == 1
+    assert smol.bytes_of(tail[:-drop] + ids) == smol.bytes_of(tail) + b"    return x"
+    assert ids == smol.encode('    """\n    return x')[len(tail) - drop :]
+    for side in sides:
+        tail = side.encode("say hello")
+        drop, ids = side.resync(tail_ids=tail, new=b" world")
+        assert drop == 0 and ids == side.continuation(tail=b"say hello", new=b" world")[0]
+        drop, ids = side.resync(tail_ids=tail, new="😀".encode()[:2])
+        assert (drop, ids) == (0, [])  # half a character waits, as in ``continuation``
+
+
+def test_fitting_tokens_spell_the_healed_text_first(sides):
+    """Token healing's choices after ``\\n    ``: the tokens that begin with it and those that
+    are its prefixes, nothing else, under the draft vocabulary's limit."""
+    _, smol = sides
+    text = b"\n    "
+    ids = smol.fitting(text, below=8192)
+    pieces = {smol.table[i] for i in ids}
+    assert b"\n" in pieces and b"\n   " in pieces and b"\n    " in pieces
+    assert all(i < 8192 for i in ids)
+    assert all(text.startswith(smol.table[i]) or smol.table[i].startswith(text) for i in ids)
+    fits = [i for i in range(8192) if text.startswith(smol.table[i]) and smol.table[i]]
+    assert set(fits) <= set(ids)
+    assert smol.encode(" return")[0] not in ids
+    assert smol.fitting(text, below=8192) is ids  # cached
+
+
+def test_shared_vocabulary_is_detected(tokenizers):
+    gemma_tok, smol_tok = tokenizers
+    assert Bridge.for_tokenizers(
+        target=gemma_tok,
+        assistant=gemma_tok,
+        target_vocab=len(gemma_tok),
+        assistant_vocab=len(gemma_tok),
+    ).shared_vocabulary
+    assert not Bridge.for_tokenizers(
+        target=gemma_tok,
+        assistant=smol_tok,
+        target_vocab=len(gemma_tok),
+        assistant_vocab=len(smol_tok),
+    ).shared_vocabulary

@@ -232,6 +232,8 @@ def test_each_draft_step_knows_how_much_of_its_text_repeats(which, request):
     done, seen = 0, []
     for it in r.iterations:
         before, draft = pair.bridge.target.bytes_of(r.token_ids[:done]), b""
+        healed = sum(step.respelled for step in it.steps)  # drafted again: not counted twice
+        before = before[: len(before) - healed]
         for step in it.steps:
             draft += step.token_bytes
             assert step.repeat == repeat_length(prompt_bytes + before + draft)
@@ -389,3 +391,41 @@ def test_native_layers_run_a_q4_assistant(tokenizers):
     )
     alone, chunked = one_row_vs_chunked_logits(fast, ids[:10], ids[10:60])
     assert torch.equal(alone, chunked)
+
+
+@pytest.mark.parametrize("fed", [False, True])
+def test_the_assistant_heals_text_that_ends_in_whitespace(cross, fed):
+    """A prompt ending in a newline, then the target's indentation: SmolLM2 would spell
+    ``\\n····`` + ``·return``, so the assistant takes back its last token and returns its
+    bytes; its ids plus those bytes still spell the prompt and the target's text, at least one
+    id waits to be fed (the logits before the healed token; ``fed``: the prompt was cached, so
+    the token before it is fed again), and a draft among ``fitting`` ids spells them first."""
+    from uag.api import encode_prompt
+    from uag.speculative import _AssistantText
+
+    a, side = cross.assistant_lm, cross.bridge.assistant
+    prompt = encode_prompt(cross, "def f():\n")[1]
+    a.reset(prompt, rollback=True)
+    if fed:
+        a.forward()
+    text = _AssistantText(a, cross.bridge)
+    heal = text.sync(cross.bridge, b"    ", heal=True)
+    assert heal.startswith(b"\n") and heal.endswith(b" ")
+    assert side.bytes_of(a.ids) + heal == side.bytes_of(prompt) + b"    "
+    assert text.generated == b"" and len(a.ids) > a.cached
+    tok, *_ = a.draft(a.forward(), among=side.fitting(heal, below=a.draft_limit))
+    assert heal.startswith(side.table[tok]) or side.table[tok].startswith(heal)
+
+
+def test_a_shared_vocabulary_keeps_the_targets_split(similar):
+    """Both sides with one tokenizer: the assistant is neither re-encoded across the boundary
+    nor healed (the target's own ids are its best context)."""
+    from uag.api import encode_prompt
+    from uag.speculative import _AssistantText
+
+    a = similar.assistant_lm
+    prompt = encode_prompt(similar, "def f():\n")[1]
+    a.reset(prompt, rollback=True)
+    text = _AssistantText(a, similar.bridge)
+    assert text.sync(similar.bridge, b"    ", heal=True) == b""
+    assert a.ids[: len(prompt)] == prompt

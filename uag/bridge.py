@@ -18,6 +18,7 @@ This module knows nothing of models.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -80,10 +81,26 @@ class TokenText:
     tokenizer: Any
     vocab_size: int
     table: list[bytes] = field(init=False, repr=False)
+    _fitting: dict[tuple[bytes, int], list[int]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.table = token_bytes_table(self.tokenizer, self.vocab_size)
         self._check()
+
+    def fitting(self, text: bytes, *, below: int) -> list[int]:
+        """Ids under ``below`` whose bytes could start a sequence spelling ``text``: those that
+        begin with it and its non-empty prefixes (token healing, ``uag.speculative``). Cached:
+        the texts asked about are few (runs of whitespace)."""
+        key = (text, below)
+        if key not in self._fitting:
+            self._fitting[key] = [
+                i
+                for i, piece in enumerate(self.table[:below])
+                if piece and (piece.startswith(text) or text.startswith(piece))
+            ]
+        return self._fitting[key]
 
     def bytes_of(self, ids: Sequence[int]) -> bytes:
         table = self.table
@@ -119,6 +136,49 @@ class TokenText:
                     break
                 offset += len(self.table[tok])
         return self.encode(new_text), consumed
+
+    def resync(self, *, tail_ids: Sequence[int], new: bytes) -> tuple[int, list[int]]:
+        """Continue ``tail_ids`` with the text ``new`` as this tokenizer encodes the whole:
+        ``(drop, ids)``, drop the last ``drop`` tail tokens, then append ``ids``.
+
+        Why: where the tokenizer merges text across the boundary, ``continuation`` encodes
+        the new text on its own, leaving a split the tokenizer never makes and its model
+        rarely saw. A prompt ending in a newline followed by indented code is the common case:
+        SmolLM2 spells ``\n`` then ``    return`` as ``\n···`` + ``·return``, so a sequence
+        ``\n``, ``····``, ``return`` made the assistant draft a new top-level line in 94 % of
+        first rounds on 120 training prompts. Here the last tail tokens from the latest point
+        where both encodings have a token boundary are encoded again with the new text. Only
+        for a side whose cache can be rolled back (the assistant's: the target's ids are its
+        output); a tail that is not whole UTF-8, or an encoding that does not give back exactly
+        its text, goes through ``continuation``.
+        """
+        consumed = complete_utf8_prefix(new)
+        if consumed == 0:
+            return 0, []
+        tail_bytes = [self.table[t] for t in tail_ids]
+        tail = b"".join(tail_bytes)
+        whole = tail + new[:consumed]
+        if tail and complete_utf8_prefix(tail) == len(tail) and (tail[0] & 0xC0) != 0x80:
+            ids = self.encode(whole.decode("utf-8"))
+            if self.bytes_of(ids) == whole:
+                ends = [0]  # the tail's token boundaries, in bytes
+                for piece in tail_bytes:
+                    ends.append(ends[-1] + len(piece))
+                old = set(ends)
+                # (index into ids, byte offset) of the latest boundary both encodings share
+                offset, best = 0, None
+                for k, tok in enumerate(ids):
+                    if offset > len(tail):
+                        break
+                    if offset in old:
+                        best = (k, offset)
+                    offset += len(self.table[tok])
+                if best is not None:
+                    k, boundary = best
+                    kept = max(i for i, end in enumerate(ends) if end == boundary)
+                    return len(tail_bytes) - kept, ids[k:]
+        ids, _ = self.continuation(tail=tail, new=new)
+        return 0, ids
 
     def _check(self) -> None:
         """Refuse tokenizers whose tokens' bytes do not concatenate back to the text."""
@@ -185,6 +245,13 @@ class Bridge:
         return cls(
             target=TokenText(target, target_vocab), assistant=TokenText(assistant, assistant_vocab)
         )
+
+    @functools.cached_property
+    def shared_vocabulary(self) -> bool:
+        """Both sides spell every id the same: the target's own ids are the assistant's best
+        context, so the assistant is not re-encoded across boundaries nor healed
+        (``TokenText.resync``, ``uag.speculative``)."""
+        return self.target.table == self.assistant.table
 
     def tail(self, side: TokenText, ids: Sequence[int]) -> bytes:
         """Bytes of the last ``lookbehind`` tokens of ``ids`` (the re-encoding context)."""

@@ -231,17 +231,29 @@ class CachedLM:
         return self.draft_vocab
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor) -> tuple[int, float, float, float]:
+    def draft(
+        self, hidden: torch.Tensor, *, among: Sequence[int] | None = None
+    ) -> tuple[int, float, float, float]:
         """The greedy draft after the last row of ``hidden`` and its statistics
         ``(id, top probability, second probability, entropy)``, over the draft vocabulary
-        (``set_draft_vocab``): what a drafted token's features read."""
+        (``set_draft_vocab``): what a drafted token's features read. ``among``: only these ids
+        (each under ``draft_limit``), the statistics over them alone (token healing)."""
         from uag.native import draft_stats
 
         head = self.draft_head if self.draft_head is not None else self.head
         out = head(hidden[-1:]).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
-        return draft_stats(out[0])
+        if among is None:
+            return draft_stats(out[0])
+        index = torch.as_tensor(among, dtype=torch.long, device=out.device)
+        best, p1, p2, entropy = draft_stats(out[0, index].contiguous())
+        return int(among[best]), p1, p2, entropy
+
+    @property
+    def draft_limit(self) -> int:
+        """The ids ``draft`` chooses from are those below this."""
+        return self.draft_vocab or self.vocab_size
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -473,7 +473,7 @@ def speculative_sample(
                 min_prob=min_prob,
                 target_tokens=1,
                 context=ctx,
-                repeat=repeat_length(prompt_bytes + a_text.data) if rich else 0,
+                repeat=repeat_length(prompt_bytes + a_text.generated) if rich else 0,
             )
             if keep_steps:
                 steps.append(step)

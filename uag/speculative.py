@@ -172,19 +172,40 @@ def target_only_loop(
     )
 
 
+_HEALED = (b" ", b"\t", b"\n", b"\r")
+"""Last bytes after which ``_AssistantText.sync`` heals the assistant's last token."""
+
+
 class _AssistantText:
-    """The assistant's generated ids with their cumulative byte offsets (prompt excluded)."""
+    """The assistant's ids from its prompt's last few on, with their cumulative byte offsets.
+
+    The prompt's last ``lookbehind`` tokens are tracked too (``lead``: their bytes), so that a
+    sync may encode them again with the text that follows (``TokenText.resync``); ``data``
+    holds ``lead`` and then the generated text, ``generated`` the latter alone.
+    """
 
     def __init__(self, lm: CachedLM, bridge: Bridge) -> None:
         self.lm = lm
         self.side = bridge.assistant
-        self.start = len(lm.ids)
+        self.lookbehind = bridge.lookbehind
+        self.recode = not bridge.shared_vocabulary
+        """Re-encode across boundaries and heal (a vocabulary of its own: see ``sync``)."""
+        self.start = max(len(lm.ids) - bridge.lookbehind, 0)
         self.data = bytearray()
-        self.ends: list[int] = []  # ends[j]: byte length after generated token j
+        self.ends: list[int] = []  # ends[j]: byte length after tracked token j
+        for tok in lm.ids[self.start :]:
+            self.data += self.side.table[tok]
+            self.ends.append(len(self.data))
+        self.lead = bytes(self.data)
 
     @property
     def count(self) -> int:
         return len(self.ends)
+
+    @property
+    def generated(self) -> bytes:
+        """The assistant's text after its prompt (drafts included)."""
+        return bytes(self.data[len(self.lead) :])
 
     def append(self, ids: Sequence[int]) -> None:
         for tok in ids:
@@ -192,21 +213,54 @@ class _AssistantText:
             self.ends.append(len(self.data))
         self.lm.ids.extend(ids)
 
-    def sync(self, bridge: Bridge, text: bytes | bytearray) -> None:
-        """Feed the assistant the target text it has not seen (whole characters only)."""
-        new = bytes(text[len(self.data) :])
-        ids, _ = bridge.assistant.continuation(
-            tail=bridge.tail(bridge.assistant, self.lm.ids), new=new
-        )
-        self.append(ids)
-
-    def keep_prefix_of(self, text: bytes | bytearray) -> int:
-        """Keep the longest token prefix whose bytes are a prefix of ``text``; return its length."""
-        common = _common_prefix_len(self.data, text)
-        keep = bisect.bisect_right(self.ends, common)
+    def _keep(self, keep: int) -> None:
+        """Keep the first ``keep`` tracked tokens (the cache rolls back with them)."""
         del self.ends[keep:]
         del self.data[self.ends[-1] if self.ends else 0 :]
         self.lm.truncate(self.start + keep)
+
+    def sync(self, bridge: Bridge, text: bytes | bytearray, *, heal: bool = False) -> bytes:
+        """Feed the assistant the target text it has not seen (whole characters only), its
+        last tokens encoded again with it where the tokenizer merges across the boundary.
+
+        ``heal``: where the text now ends in whitespace, take its last token back and return
+        its bytes, which the next drafts must spell before anything new (``fitting``): token
+        healing. Why: a byte-level BPE joins whitespace to what follows (``\n···`` +
+        ``·return``), so a text that stops after it ends on a split the assistant rarely saw.
+        On 12 held-out prompts (static-2), rounds whose assistant text ended in a space or a
+        tab had their first draft accepted 21 % of the time, after a newline 0 %, the other
+        rounds 84 %; they were 23 % of the rounds. Returns b"" when nothing is healed. Not
+        where both sides share a vocabulary: there the assistant sees the target's own split.
+        """
+        new = (self.lead + text)[len(self.data) :]
+        tail = self.lm.ids[-self.lookbehind :]
+        if not self.recode:  # the same ids as the target: its own split is the best context
+            self.append(self.side.continuation(tail=self.side.bytes_of(tail), new=new)[0])
+            return b""
+        drop, ids = self.side.resync(tail_ids=tail, new=new)
+        if drop:
+            self._keep(self.count - drop)
+        self.append(ids)
+        if not heal or not self.ends:
+            return b""
+        last = self.side.table[self.lm.ids[-1]]
+        if last[-1:] not in _HEALED or not self.side.fitting(last, below=self.lm.draft_limit):
+            return b""
+        keep = self.count - 1
+        if self.start + keep <= self.lm.cached:  # the logits before it are gone: feed one more
+            if keep == 0:
+                return b""
+            keep -= 1
+        again = self.lm.ids[self.start + keep : -1]
+        self._keep(keep)
+        self.append(again)
+        return last
+
+    def keep_prefix_of(self, text: bytes | bytearray) -> int:
+        """Keep the longest token prefix whose bytes are a prefix of ``lead + text``; return
+        its length in tokens (``lead``'s included)."""
+        keep = bisect.bisect_right(self.ends, _common_prefix_len(self.data, self.lead + text))
+        self._keep(keep)
         return keep
 
 
@@ -280,7 +334,7 @@ class _Agreement:
 
 
 def _candidates(
-    bridge: Bridge, target: CachedLM, text: bytearray, assistant_text: bytearray, room: int
+    bridge: Bridge, target: CachedLM, text: bytearray, assistant_text: bytes, room: int
 ) -> list[int]:
     """Target ids for the drafted text past the target's own text (whole characters only)."""
     if assistant_text[: len(text)] != text:
@@ -357,8 +411,9 @@ def speculative_generate(
         if lookup is not None and target.cached and room > 1:
             proposal, _ = lookup.propose(target.ids, limit=min(room - 1, MAX_CANDIDATES))
         # 1. sync the assistant to the accepted text (only whole characters can be re-encoded).
+        heal = b""  # text the first drafts must spell again (``_AssistantText.sync``)
         if not proposal:
-            a_text.sync(bridge, text)
+            heal = a_text.sync(bridge, text, heal=True)
         text_complete = ends_on_char_boundary(text)
         bridge_s = clock() - t0
 
@@ -392,19 +447,22 @@ def speculative_generate(
         for position in range(1, min(budget, room - 1) + 1):
             t0 = clock()
             hidden = assistant.forward()
-            tok, p1, p2, entropy = assistant.draft(hidden)
+            among = bridge.assistant.fitting(heal, below=assistant.draft_limit) if heal else None
+            tok, p1, p2, entropy = assistant.draft(hidden, among=among)
             draft_s += clock() - t0
             if position == 1:
                 first_draft_s = draft_s
             if tok in assistant_eos:
                 break  # the assistant thinks the text ends here; the target decides that itself
+            respelled = min(len(bridge.assistant.table[tok]), len(heal))
+            heal = heal[respelled:]
             cum_logprob += math.log(max(p1, 1e-30))
             min_prob = min(min_prob, p1)
             a_text.append([tok])
             target_tokens = -1
             if rich:
                 t0 = clock()
-                drafted_ids = _candidates(bridge, target, text, a_text.data, room)
+                drafted_ids = _candidates(bridge, target, text, a_text.generated, room)
                 target_tokens = len(drafted_ids)
                 bridge_s += clock() - t0
             step = DraftStep(
@@ -418,7 +476,8 @@ def speculative_generate(
                 min_prob=min_prob,
                 target_tokens=target_tokens,
                 context=ctx,
-                repeat=repeat_length(prompt_bytes + a_text.data) if rich else 0,
+                repeat=repeat_length(prompt_bytes + a_text.generated) if rich else 0,
+                respelled=respelled,
             )
             steps.append(step)
             t0 = clock()
@@ -438,7 +497,7 @@ def speculative_generate(
         elif drafted_ids is not None:
             candidates = drafted_ids
         else:
-            candidates = _candidates(bridge, target, text, a_text.data, room)
+            candidates = _candidates(bridge, target, text, a_text.generated, room)
         bridge_s += clock() - t0
 
         # 4. verify: one forward over the pending token(s) and all candidates.
