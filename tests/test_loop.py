@@ -395,11 +395,11 @@ def test_native_layers_run_a_q4_assistant(tokenizers):
 
 @pytest.mark.parametrize("fed", [False, True])
 def test_the_assistant_heals_text_that_ends_in_whitespace(cross, fed):
-    """A prompt ending in a newline, then the target's indentation: SmolLM2 would spell
-    ``\\n····`` + ``·return``, so the assistant takes back its last token and returns its
-    bytes; its ids plus those bytes still spell the prompt and the target's text, at least one
-    id waits to be fed (the logits before the healed token; ``fed``: the prompt was cached, so
-    the token before it is fed again), and a draft among ``fitting`` ids spells them first."""
+    """A prompt ending in a newline, then the target's indentation: SmolLM2 spells
+    ``\n····`` + ``·return``, so the assistant keeps ``\n···`` and takes the last space back;
+    its ids plus that space still spell the prompt and the target's text, at least one id
+    waits to be fed (``fed``: the prompt was cached), and a draft among ``fitting`` ids starts
+    with the space."""
     from uag.api import encode_prompt
     from uag.speculative import _AssistantText
 
@@ -410,11 +410,30 @@ def test_the_assistant_heals_text_that_ends_in_whitespace(cross, fed):
         a.forward()
     text = _AssistantText(a, cross.bridge)
     heal = text.sync(cross.bridge, b"    ", heal=True)
-    assert heal.startswith(b"\n") and heal.endswith(b" ")
+    assert heal == b" " and side.table[a.ids[-1]] == b"\n   "
     assert side.bytes_of(a.ids) + heal == side.bytes_of(prompt) + b"    "
-    assert text.generated == b"" and len(a.ids) > a.cached
+    assert text.generated == b"   " and len(a.ids) > a.cached
     tok, *_ = a.draft(a.forward(), among=side.fitting(heal, below=a.draft_limit))
-    assert heal.startswith(side.table[tok]) or side.table[tok].startswith(heal)
+    assert side.table[tok].startswith(b" ")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "healed"), [("def f():\n    x = 1", True), ("Dear Sam,", False)]
+)
+def test_a_newline_is_healed_after_an_indented_line_only(cross, prompt, healed):
+    """After an indented line the next one likely is too (``\n`` then ``···`` is a split
+    SmolLM2 never makes), so the newline is taken back; after prose it stays, since the
+    assistant would mostly draft it again, a forward that spells nothing new."""
+    from uag.api import encode_prompt
+    from uag.speculative import _AssistantText
+
+    a, side = cross.assistant_lm, cross.bridge.assistant
+    ids = encode_prompt(cross, prompt)[1]
+    a.reset(ids, rollback=True)
+    text = _AssistantText(a, cross.bridge)
+    heal = text.sync(cross.bridge, b"\n", heal=True)
+    assert heal == (b"\n" if healed else b"")
+    assert side.bytes_of(a.ids) + heal == side.bytes_of(ids) + b"\n"
 
 
 def test_a_shared_vocabulary_keeps_the_targets_split(similar):

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from uag.errors import UagError
 
 LOOKBEHIND_TOKENS = 10
@@ -81,7 +83,7 @@ class TokenText:
     tokenizer: Any
     vocab_size: int
     table: list[bytes] = field(init=False, repr=False)
-    _fitting: dict[tuple[bytes, int], list[int]] = field(
+    _fitting: dict[tuple[bytes, int], np.ndarray] = field(
         default_factory=dict, init=False, repr=False
     )
 
@@ -89,17 +91,21 @@ class TokenText:
         self.table = token_bytes_table(self.tokenizer, self.vocab_size)
         self._check()
 
-    def fitting(self, text: bytes, *, below: int) -> list[int]:
+    def fitting(self, text: bytes, *, below: int) -> np.ndarray:
         """Ids under ``below`` whose bytes could start a sequence spelling ``text``: those that
-        begin with it and its non-empty prefixes (token healing, ``uag.speculative``). Cached:
-        the texts asked about are few (runs of whitespace)."""
+        begin with it and its non-empty prefixes (token healing, ``uag.speculative``), as int64
+        (a draft step indexes logits with them). Cached: the texts asked about are few (a
+        space, a tab, newlines)."""
         key = (text, below)
         if key not in self._fitting:
-            self._fitting[key] = [
-                i
-                for i, piece in enumerate(self.table[:below])
-                if piece and (piece.startswith(text) or text.startswith(piece))
-            ]
+            self._fitting[key] = np.array(
+                [
+                    i
+                    for i, piece in enumerate(self.table[:below])
+                    if piece and (piece.startswith(text) or text.startswith(piece))
+                ],
+                dtype=np.int64,
+            )
         return self._fitting[key]
 
     def bytes_of(self, ids: Sequence[int]) -> bytes:

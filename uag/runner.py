@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -232,7 +233,7 @@ class CachedLM:
 
     @torch.inference_mode()
     def draft(
-        self, hidden: torch.Tensor, *, among: Sequence[int] | None = None
+        self, hidden: torch.Tensor, *, among: np.ndarray | None = None
     ) -> tuple[int, float, float, float]:
         """The greedy draft after the last row of ``hidden`` and its statistics
         ``(id, top probability, second probability, entropy)``, over the draft vocabulary
@@ -246,7 +247,7 @@ class CachedLM:
             out = torch.tanh(out / self.softcap) * self.softcap
         if among is None:
             return draft_stats(out[0])
-        index = torch.as_tensor(among, dtype=torch.long, device=out.device)
+        index = torch.from_numpy(among).to(out.device)  # int64 ids
         best, p1, p2, entropy = draft_stats(out[0, index].contiguous())
         return int(among[best]), p1, p2, entropy
 
