@@ -150,9 +150,9 @@ class TokenText:
         Why: where the tokenizer merges text across the boundary, ``continuation`` encodes
         the new text on its own, leaving a split the tokenizer never makes and its model
         rarely saw. A prompt ending in a newline followed by indented code is the common case:
-        SmolLM2 spells ``\n`` then ``    return`` as ``\n···`` + ``·return``, so a sequence
-        ``\n``, ``····``, ``return`` made the assistant draft a new top-level line in 94 % of
-        first rounds on 120 training prompts. Here the last tail tokens from the latest point
+        SmolLM2 spells ``\n`` then ``    return`` as ``\n···`` + ``·return``; fed ``\n``,
+        ``····``, the assistant drafted a new top-level line, and the first round's first draft
+        was accepted 7 % of the time on 120 training prompts. Here the last tail tokens from the latest point
         where both encodings have a token boundary are encoded again with the new text. Only
         for a side whose cache can be rolled back (the assistant's: the target's ids are its
         output); a tail that is not whole UTF-8, or an encoding that does not give back exactly
@@ -167,21 +167,21 @@ class TokenText:
         if tail and complete_utf8_prefix(tail) == len(tail) and (tail[0] & 0xC0) != 0x80:
             ids = self.encode(whole.decode("utf-8"))
             if self.bytes_of(ids) == whole:
-                ends = [0]  # the tail's token boundaries, in bytes
-                for piece in tail_bytes:
-                    ends.append(ends[-1] + len(piece))
-                old = set(ends)
-                # (index into ids, byte offset) of the latest boundary both encodings share
+                kept_at = {0: 0}  # a tail boundary (bytes) -> tail tokens before it (the most)
+                end = 0
+                for i, piece in enumerate(tail_bytes, start=1):
+                    end += len(piece)
+                    kept_at[end] = i
+                # (index into ids, tail tokens kept) at the latest boundary both encodings share
                 offset, best = 0, None
                 for k, tok in enumerate(ids):
                     if offset > len(tail):
                         break
-                    if offset in old:
-                        best = (k, offset)
+                    if offset in kept_at:
+                        best = (k, kept_at[offset])
                     offset += len(self.table[tok])
                 if best is not None:
-                    k, boundary = best
-                    kept = max(i for i, end in enumerate(ends) if end == boundary)
+                    k, kept = best
                     return len(tail_bytes) - kept, ids[k:]
         ids, _ = self.continuation(tail=tail, new=new)
         return 0, ids

@@ -173,15 +173,13 @@ def target_only_loop(
 
 
 _HEALED = (b" ", b"\t", b"\n", b"\r")
+"""Last bytes after which ``_AssistantText.sync`` heals the assistant's last token."""
 
 
 def _indented(text: bytes) -> bool:
     """Whether the last line of ``text`` with anything on it starts with a space or a tab."""
     line = text.rstrip(b"\r\n").rsplit(b"\n", 1)[-1]
     return line[:1] in (b" ", b"\t") and bool(line.strip())
-
-
-"""Last bytes after which ``_AssistantText.sync`` heals the assistant's last token."""
 
 
 class _AssistantText:
@@ -246,10 +244,7 @@ class _AssistantText:
         if not self.recode:  # the same ids as the target: its own split is the best context
             self.append(self.side.continuation(tail=self.side.bytes_of(tail), new=new)[0])
             return b""
-        drop, ids = self.side.resync(tail_ids=tail, new=new)
-        if drop:
-            self._keep(self.count - drop)
-        self.append(ids)
+        self._feed(new)
         if not heal or not self.ends:
             return b""
         last = self.side.table[self.lm.ids[-1]]
@@ -279,11 +274,15 @@ class _AssistantText:
         self._keep(keep)
         self.append(again)
         if rest:
-            drop, ids = self.side.resync(tail_ids=self.lm.ids[-self.lookbehind :], new=rest)
-            if drop:
-                self._keep(self.count - drop)
-            self.append(ids)
+            self._feed(rest)
         return spell
+
+    def _feed(self, new: bytes) -> None:
+        """Append ``new``, the tail tokens a merge crosses encoded again with it."""
+        drop, ids = self.side.resync(tail_ids=self.lm.ids[-self.lookbehind :], new=new)
+        if drop:
+            self._keep(self.count - drop)
+        self.append(ids)
 
     def keep_prefix_of(self, text: bytes | bytearray) -> int:
         """Keep the longest token prefix whose bytes are a prefix of ``lead + text``; return
@@ -489,9 +488,10 @@ def speculative_generate(
             min_prob = min(min_prob, p1)
             a_text.append([tok])
             target_tokens = -1
+            drafted = a_text.generated if rich else b""  # one copy for both features
             if rich:
                 t0 = clock()
-                drafted_ids = _candidates(bridge, target, text, a_text.generated, room)
+                drafted_ids = _candidates(bridge, target, text, drafted, room)
                 target_tokens = len(drafted_ids)
                 bridge_s += clock() - t0
             step = DraftStep(
@@ -505,7 +505,7 @@ def speculative_generate(
                 min_prob=min_prob,
                 target_tokens=target_tokens,
                 context=ctx,
-                repeat=repeat_length(prompt_bytes + a_text.generated) if rich else 0,
+                repeat=repeat_length(prompt_bytes + drafted) if rich else 0,
                 respelled=respelled,
             )
             steps.append(step)
