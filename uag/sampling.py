@@ -157,6 +157,11 @@ class Intersection:
     """``[Va]`` long: the target id each assistant id stands for, or −1."""
     size: int
     _sources: dict[int, tuple[int, ...]] | None = field(default=None, repr=False)
+    _spelled: dict[bytes, int] = field(default_factory=dict, repr=False)
+    """Bytes → the (canonical, non-special) target id spelling them."""
+    _pieces: list[bytes] = field(default_factory=list, repr=False)
+    """The assistant's bytes per id (b"" for special ids)."""
+    _healed: dict[bytes, Intersection] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -177,12 +182,40 @@ class Intersection:
         for data, ids in owners.items():
             if len(ids) > 1:
                 chosen[data] = _canonical(bridge, data, ids)
-        mapping = [
-            chosen.get(data, -1) if data and aid not in assistant_special else -1
+        pieces = [
+            b"" if aid in assistant_special else data
             for aid, data in enumerate(bridge.assistant.table)
         ]
-        to_target = torch.tensor(mapping, dtype=torch.long)
-        return cls(to_target=to_target, size=int((to_target >= 0).sum()))
+        to_target = torch.tensor(
+            [chosen.get(data, -1) if data else -1 for data in pieces], dtype=torch.long
+        )
+        return cls(
+            to_target=to_target,
+            size=int((to_target >= 0).sum()),
+            _spelled=chosen,
+            _pieces=pieces,
+        )
+
+    def healed(self, spell: bytes) -> Intersection:
+        """The intersection for a draft that must first spell ``spell`` again (token healing,
+        ``uag.speculative._AssistantText.sync``): an assistant id stands for the target id
+        spelling what follows ``spell`` in its bytes, when that is exactly one target token.
+
+        Why: the healed assistant drafts ``·return`` where the target's text already ends in
+        the space, so the draft proposes ``return``. ``q`` is then the assistant's distribution
+        restricted to those ids, a distribution over target ids like any other, and the
+        acceptance rule stays exact. Cached per ``spell`` (a space, a tab, a few newlines)."""
+        if spell not in self._healed:
+            n = len(spell)
+            mapping = [
+                self._spelled.get(data[n:], -1) if len(data) > n and data.startswith(spell) else -1
+                for data in self._pieces
+            ]
+            to_target = torch.tensor(mapping, dtype=torch.long)
+            self._healed[spell] = Intersection(
+                to_target=to_target, size=int((to_target >= 0).sum())
+            )
+        return self._healed[spell]
 
     def restrict(self, probs: torch.Tensor) -> torch.Tensor | None:
         """The assistant's distribution restricted to the intersection, renormalised (None: no
@@ -392,10 +425,11 @@ def speculative_sample(
 ) -> LoopOutput:
     """TLI speculative sampling: distributed exactly as ``target_only_sample``, in fewer passes.
 
-    Each round: sync the assistant to the target's text (re-encoded, as in greedy UAG); draft
-    from the restricted assistant distribution, each drafted assistant token standing for one
-    target token; one target forward over the pending token and the drafted ones; then
-    ``verify_draft``. The assistant keeps the drafted tokens inside the emitted text.
+    Each round: sync the assistant to the target's text (re-encoded and healed at whitespace,
+    as in greedy UAG); draft from the restricted assistant distribution, each drafted assistant
+    token standing for one target token (after healing, the first one for the token that
+    follows the healed text: ``Intersection.healed``); one target forward over the pending
+    token and the drafted ones; then ``verify_draft``. The assistant keeps the drafted tokens inside the emitted text.
     ``keep_steps`` (collection) keeps each round's draft steps and their soft labels
     (``expected_acceptance``). With ``lookup``, a round whose last target tokens occurred before
     verifies their old continuation instead (``PointQ``: each copied token is kept with
@@ -424,8 +458,10 @@ def speculative_sample(
         proposal: list[int] = []
         if lookup is not None and target.cached and room > 1:
             proposal, _ = lookup.propose(target.ids, limit=min(room - 1, MAX_CANDIDATES))
+        heal = b""  # text the first draft must spell again (``Intersection.healed``)
         if not proposal:
-            a_text.sync(bridge, text)
+            heal = a_text.sync(bridge, text, heal=True)
+        healed = len(heal)
         bridge_s = clock() - t0
         ctx = agreement.context(
             iteration=len(records),
@@ -444,22 +480,27 @@ def speculative_sample(
         committed = a_text.count
         steps: list[DraftStep] = []
         draft: list[int] = []
-        q_assistant: list[torch.Tensor] = []
+        q_assistant: list[tuple[torch.Tensor, Intersection]] = []
         draft_s = 0.0
         cum_logprob, min_prob = 0.0, 1.0
         for position in range(1, min(budget, room - 1, MAX_CANDIDATES) + 1):
             t0 = clock()
             logits = assistant.logits(assistant.forward()[-1:])
-            q = intersection.restrict(processed_probs(logits, sampling)[0])
+            among = intersection
+            if heal:  # its distribution given that its token spells ``heal`` first, processed
+                among = intersection.healed(heal)
+                logits = logits.masked_fill(among.to_target < 0, -math.inf)
+            q = among.restrict(processed_probs(logits, sampling)[0])
             if q is None:
                 draft_s += clock() - t0
                 break
             aid = categorical(q, gen)
             top = torch.topk(q, 2).values
             draft_s += clock() - t0
+            respelled, heal = len(heal), b""  # a healed id spells all of it, then one token
             a_text.append([aid])
-            draft.append(int(intersection.to_target[aid]))
-            q_assistant.append(q)
+            draft.append(int(among.to_target[aid]))
+            q_assistant.append((q, among))
             cum_logprob += math.log(max(float(q[aid]), 1e-30))
             min_prob = min(min_prob, float(q[aid]))
             step = DraftStep(
@@ -474,6 +515,7 @@ def speculative_sample(
                 target_tokens=1,
                 context=ctx,
                 repeat=repeat_length(prompt_bytes + a_text.generated) if rich else 0,
+                respelled=respelled,
             )
             if keep_steps:
                 steps.append(step)
@@ -483,7 +525,7 @@ def speculative_sample(
             if halt:
                 break
 
-        q_rows: list[TargetQ] = [TargetQ(q, intersection, target_vocab) for q in q_assistant]
+        q_rows: list[TargetQ] = [TargetQ(q, among, target_vocab) for q, among in q_assistant]
         if proposal:
             draft, q_rows = proposal, [PointQ(t, target_vocab) for t in proposal]
         t0 = clock()
@@ -527,6 +569,7 @@ def speculative_sample(
                 accept_rates=rates,
                 lookup=bool(proposal),
                 lag=ctx.lag if drafted else 0,
+                healed=healed,
             )
         )
         if hit_eos:

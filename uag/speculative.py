@@ -88,6 +88,9 @@ class IterationRecord:
     lag: int = 0
     """Tokens the assistant was fed by the round's first draft step (``DraftContext.lag``); 0
     when it did not draft."""
+    healed: int = 0
+    """Bytes of the target's text the assistant gave back at the round's sync for its first
+    draft to spell again (token healing, ``_AssistantText.sync``); 0 when not healed."""
 
 
 @dataclass
@@ -231,7 +234,8 @@ class _AssistantText:
 
         ``heal``: where the text now ends in whitespace, take its last character (a newline:
         its last token, and only after an indented line) back and return those bytes, which
-        the next draft must spell before anything new (``fitting``): token healing. Why: a
+        the next draft must spell before anything new (greedy: ``fitting``; sampling:
+        ``uag.sampling.Intersection.healed``): token healing. Why: a
         byte-level BPE joins whitespace to what follows (``\n···`` + ``·return``), so a text
         that stops after it ends on a split the assistant rarely saw. On 12 held-out prompts
         (static-2), rounds whose assistant text ended in a space or a tab had their first draft
@@ -442,6 +446,7 @@ def speculative_generate(
         heal = b""  # text the first drafts must spell again (``_AssistantText.sync``)
         if not proposal:
             heal = a_text.sync(bridge, text, heal=True)
+        healed = len(heal)
         text_complete = ends_on_char_boundary(text)
         bridge_s = clock() - t0
 
@@ -585,6 +590,7 @@ def speculative_generate(
                 round_s=clock() - round_start,
                 lookup=bool(proposal),
                 lag=ctx.lag if steps else 0,
+                healed=healed,
             )
         )
         if hit_eos:
