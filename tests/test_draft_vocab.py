@@ -165,7 +165,11 @@ def test_a_controller_brings_the_draft_vocabulary_it_was_trained_with(tmp_path):
     args = parser.parse_args(["generate", "--prompt", "x", "--draft-vocab", "512"])
     settle_model_args(args, trained_on_all)
     assert args.draft_vocab == 512  # a flag given wins
-    shipped = LearnedPolicy("exports/ctrl.onnx")  # exported before the size was recorded
+    _export(tmp_path / "older.onnx")  # exported before the size was recorded
+    args = parser.parse_args(["generate", "--prompt", "x"])
+    settle_model_args(args, LearnedPolicy(tmp_path / "older.onnx"))
+    assert args.draft_vocab is None  # the default
+    shipped = LearnedPolicy("exports/ctrl.onnx")  # trained on the default size, and says so
     args = parser.parse_args(["generate", "--prompt", "x"])
     settle_model_args(args, shipped)
-    assert args.draft_vocab is None  # the default
+    assert args.draft_vocab == DEFAULT_DRAFT_VOCAB
