@@ -436,6 +436,23 @@ def test_a_newline_is_healed_after_an_indented_line_only(cross, prompt, healed):
     assert side.bytes_of(a.ids) + heal == side.bytes_of(ids) + b"\n"
 
 
+def test_a_heal_no_draft_can_spell_is_not_made(cross):
+    """``spells`` (sampling: ``Intersection.can_heal``) says whether the next draft can spell
+    the bytes a heal takes back; where it says no, nothing is taken back."""
+    from uag.api import encode_prompt
+    from uag.speculative import _AssistantText
+
+    a, side = cross.assistant_lm, cross.bridge.assistant
+    prompt = encode_prompt(cross, "def f():\n")[1]
+    a.reset(prompt, rollback=True)
+    text = _AssistantText(a, cross.bridge)
+    asked: list[bytes] = []
+    heal = text.sync(cross.bridge, b"    ", heal=True, spells=lambda s: bool(asked.append(s)))
+    assert heal == b"" and asked == [b" "]
+    assert side.bytes_of(a.ids) == side.bytes_of(prompt) + b"    "
+    assert side.table[a.ids[-1]] == b"\n    "  # as fed: the whole indentation, not healed
+
+
 def test_a_shared_vocabulary_keeps_the_targets_split(similar):
     """Both sides with one tokenizer: the assistant is neither re-encoded across the boundary
     nor healed (the target's own ids are its best context)."""

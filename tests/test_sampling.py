@@ -269,6 +269,7 @@ def test_a_healed_draft_stands_for_the_token_after_the_healed_text(tokenizers):
         assert all(table_a[a] == spell + table_t[int(healed.to_target[a])] for a in mapped)
         alone = pair.bridge.assistant.encode(spell.decode())
         assert len(alone) == 1 and int(healed.to_target[alone[0]]) == -1
+    assert inter.can_heal(b" ") and not inter.can_heal(b"\x00\x00\x00\x00")
     (ret,) = pair.bridge.assistant.encode(" return")
     assert table_t[int(inter.healed(b" ").to_target[ret])] == b"return"
     (word,) = pair.bridge.assistant.encode("return")

@@ -217,6 +217,11 @@ class Intersection:
             )
         return self._healed[spell]
 
+    def can_heal(self, spell: bytes) -> bool:
+        """Whether some assistant id spells ``spell`` and then exactly one target token (a
+        newline is healed whole, e.g. ``:\n``, which few ids or none spell that way)."""
+        return self.healed(spell).size > 0
+
     def restrict(self, probs: torch.Tensor) -> torch.Tensor | None:
         """The assistant's distribution restricted to the intersection, renormalised (None: no
         mass there, nothing can be drafted)."""
@@ -460,7 +465,7 @@ def speculative_sample(
             proposal, _ = lookup.propose(target.ids, limit=min(room - 1, MAX_CANDIDATES))
         heal = b""  # text the first draft must spell again (``Intersection.healed``)
         if not proposal:
-            heal = a_text.sync(bridge, text, heal=True)
+            heal = a_text.sync(bridge, text, heal=True, spells=intersection.can_heal)
         healed = len(heal)
         bridge_s = clock() - t0
         ctx = agreement.context(

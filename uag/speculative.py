@@ -228,7 +228,14 @@ class _AssistantText:
         del self.data[self.ends[-1] if self.ends else 0 :]
         self.lm.truncate(self.start + keep)
 
-    def sync(self, bridge: Bridge, text: bytes | bytearray, *, heal: bool = False) -> bytes:
+    def sync(
+        self,
+        bridge: Bridge,
+        text: bytes | bytearray,
+        *,
+        heal: bool = False,
+        spells: Callable[[bytes], bool] | None = None,
+    ) -> bytes:
         """Feed the assistant the target text it has not seen (whole characters only), its
         last tokens encoded again with it where the tokenizer merges across the boundary.
 
@@ -241,7 +248,9 @@ class _AssistantText:
         (static-2), rounds whose assistant text ended in a space or a tab had their first draft
         accepted 21 % of the time, after a newline 0 %, the other rounds 84 %; they were 23 %
         of the rounds. Returns b"" when nothing is healed. Not where both sides share a
-        vocabulary: there the assistant sees the target's own split.
+        vocabulary: there the assistant sees the target's own split. ``spells``: whether the
+        next draft can spell those bytes (default: some draft id starts with them or with a
+        prefix of them; sampling needs one id spelling them and then one target token).
         """
         new = (self.lead + text)[len(self.data) :]
         tail = self.lm.ids[-self.lookbehind :]
@@ -266,7 +275,10 @@ class _AssistantText:
             spell = last
         else:
             spell = last[-1:]
-        if self.side.fitting(spell, below=self.lm.draft_limit).size == 0:
+        if spells is None:
+            if self.side.fitting(spell, below=self.lm.draft_limit).size == 0:
+                return b""
+        elif not spells(spell):
             return b""
         keep = self.count - 1
         rest = last[: len(last) - len(spell)]
