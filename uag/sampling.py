@@ -434,7 +434,8 @@ def speculative_sample(
     as in greedy UAG); draft from the restricted assistant distribution, each drafted assistant
     token standing for one target token (after healing, the first one for the token that
     follows the healed text: ``Intersection.healed``); one target forward over the pending
-    token and the drafted ones; then ``verify_draft``. The assistant keeps the drafted tokens inside the emitted text.
+    token and the drafted ones; then ``verify_draft``. The assistant keeps the drafted tokens
+    inside the emitted text.
     ``keep_steps`` (collection) keeps each round's draft steps and their soft labels
     (``expected_acceptance``). With ``lookup``, a round whose last target tokens occurred before
     verifies their old continuation instead (``PointQ``: each copied token is kept with
