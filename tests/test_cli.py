@@ -342,3 +342,25 @@ def test_generate_puts_prompt_lookup_first_unless_a_policy_is_written(tiny_dirs,
     assert seen["static"]["policy"] == "static-3" and seen["static"]["copied_tokens"] == 0
     assert seen["lookup"]["policy"] == "lookup" and seen["lookup"]["drafted_tokens"] == 0
     assert seen["lookup"]["text"] == seen[None]["text"] == seen["static"]["text"]
+
+
+def test_a_failure_inside_transformers_own_generate_is_one_clear_line(tokenizers, monkeypatch):
+    """Transformers' assisted generation is a comparison arm, not uag's code: when it crashes
+    (5.25.0's UAG generator did, mid-run) the bench stops with whose failure it is and how to go
+    on, not an "internal error"."""
+    from tests.tiny import cross_pair
+    from uag.bench import transformers_generate
+    from uag.errors import UagError
+
+    pair = cross_pair(tokenizers)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot reshape tensor of 0 elements into shape [1, 0, -1, 64]\nmore")
+
+    monkeypatch.setattr(pair.target.model, "generate", broken)
+    with pytest.raises(UagError) as err:
+        transformers_generate(pair, "def f(x):", 4, chat=False, assisted=True)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "own assisted generation failed" in message and "cannot reshape" in message
+    assert "transformers<5.25" in message and "transformers arm" in message

@@ -395,15 +395,27 @@ def transformers_generate(
             top_p=sampling.top_p,
             top_k=sampling.top_k or 0,  # 0: off (Transformers' default would be 50)
         )
-    out = pair.target.model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=n,
-        do_sample=sampling is not None,
-        eos_token_id=sorted(pair.target.eos_ids),
-        pad_token_id=tok.pad_token_id,
-        **extra,
-    )
+    try:
+        out = pair.target.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=n,
+            do_sample=sampling is not None,
+            eos_token_id=sorted(pair.target.eos_ids),
+            pad_token_id=tok.pad_token_id,
+            **extra,
+        )
+    except (RuntimeError, ValueError, IndexError) as exc:
+        # Its code, not ours: say whose failure it is and how to go on without it.
+        import transformers
+
+        what = "assisted generation" if assisted else "generate()"
+        raise UagError(
+            f"Transformers {transformers.__version__}'s own {what} failed on this pair "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); uag is tested with "
+            "transformers>=5.0,<5.25 (pip install 'transformers<5.25'), or leave out the "
+            "transformers arm"
+        ) from exc
     return out[0, len(ids) :].tolist()
 
 
