@@ -196,6 +196,7 @@ def test_bench_success_path_from_the_cli(tiny_dirs, tmp_path, capsys):
     assert low <= rows["static-2"]["speedup_vs_target"] <= high
     assert "95 % interval" in (out / "results.md").read_text()
     assert "drafts from the first 128 ids" in (out / "results.md").read_text()
+    assert "replay predicts: add the `oracle` arm" in (out / "results.md").read_text()
 
 
 def test_models_prepare_success_path(capsys):

@@ -279,6 +279,7 @@ def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
     assert by_name["target-only"].predicted is None and by_name["broken"].predicted is None
     assert by_name["static-2"].predicted <= by_name["oracle"].speedup_vs_target + 1e-9
     assert "replay predicts" in report.markdown()
+    assert "add the `oracle` arm" not in report.markdown()  # it is here: the column is filled
     for res in report.policies:
         if not res.simulated:  # paired per prompt: the point estimate lies inside its interval
             assert res.interval is not None and len(res.per_prompt_seconds) == 2

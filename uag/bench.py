@@ -281,7 +281,17 @@ class BenchReport:
             lines.append(
                 f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ci} | {sim} | {ident} | {tpf} | {acc} | {share} |"
             )
+        if not sampled and not any(p.simulated for p in self.policies):
+            # An empty column otherwise reads as "replay cannot predict these arms".
+            lines += ["", NO_REPLAY_NOTE]
         return "\n".join(lines)
+
+
+NO_REPLAY_NOTE = (
+    "replay predicts: add the `oracle` arm for these figures (its long-lookahead pass is what "
+    "replay prices static-K, learned and the oracle from)"
+)
+"""Under a greedy table without the oracle arm, whose replay column is then empty."""
 
 
 Arm = Callable[[str, int, int | None], ArmRun]
