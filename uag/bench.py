@@ -420,13 +420,25 @@ def transformers_generate(
         import transformers
 
         what = "assisted generation" if assisted else "generate()"
+        tested = _tested_transformers()
         raise UagError(
             f"Transformers {transformers.__version__}'s own {what} failed on this pair "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); uag is tested with "
-            "transformers>=5.0,<5.25 (pip install 'transformers<5.25'), or leave out the "
-            "transformers arm"
+            f"{tested} (pip install '{tested}'), or leave out the transformers arm"
         ) from exc
     return out[0, len(ids) :].tolist()
+
+
+def _tested_transformers() -> str:
+    """The Transformers range uag declares (pyproject.toml, read from the installed metadata so
+    that there is one place to change it)."""
+    from importlib import metadata
+
+    try:
+        found = [r for r in metadata.requires("uag") or [] if r.startswith("transformers")]
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        found = []
+    return found[0].split(";")[0].strip() if found else "the transformers range in pyproject.toml"
 
 
 def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None = None) -> Arm:
