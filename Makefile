@@ -55,7 +55,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench-runtime: $(STAMP)
-	$(BIN)/python -m uag.runtime_bench
+	$(BIN)/python -m uag.harness.runtime_bench
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,6 +1,5 @@
-"""Stop policies behind one protocol (see ``controllers.base``)."""
+"""Stop policies behind one protocol (see ``uag.decoding.policy``)."""
 
-from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
 from controllers.rules import (
     ConfidencePolicy,
     EntropyPolicy,
@@ -8,6 +7,7 @@ from controllers.rules import (
     NoDraftPolicy,
     StaticPolicy,
 )
+from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome, StopPolicy
 
 __all__ = [
     "ConfidencePolicy",

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from controllers.base import DraftContext, DraftStep, IterationOutcome, StopPolicy
+from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome, StopPolicy
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Before each iteration it scores a *gate row* (only what is known before drafting: the target's
 confidence in its last token, how far into the answer) and after each drafted token the token's
 feature row: estimates that the draft so far will be accepted. Both rows come from
-``uag.features``, the code ``uag collect`` used for the training data. What it does with them is
+``uag.decoding.features``, the code ``uag collect`` used for the training data. What it does with them is
 the ``decision`` its metadata names: ``cost`` (``controllers.cost``: draft on while the expected
 tokens are worth their price under the carried latency profile; skipping a round is the budget-0
 case) or ``threshold`` (stop below one score, skip below another; controllers exported before
@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from controllers.base import DraftContext, DraftStep, IterationOutcome
 from controllers.cost import CostRule, CostState
+from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION, feature_row, gate_row
+from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
 from uag.errors import UagError
-from uag.features import FEATURE_NAMES, SCHEMA_VERSION, feature_row, gate_row
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ControllerInfo:
     gate: bool = True
     """Whether a round may be skipped (files without the key: a positive gate threshold)."""
     draft_vocab: int | None = None
-    """The assistant's draft vocabulary its data was collected with (``uag.draft_vocab``; 0:
+    """The assistant's draft vocabulary its data was collected with (``uag.runtime.draft_vocab``; 0:
     every id; None: files exported before it was recorded)."""
     train_prompts: frozenset[str] = frozenset()
     """Ids of the prompts its training data came from (train and validation): figures measured

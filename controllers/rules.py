@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from controllers.base import DraftContext, DraftStep, IterationOutcome
+from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
 from uag.errors import UagError
 
 

@@ -15,7 +15,7 @@ Grammar::
 ``K`` is a whole number ≥ 1 (static: tokens per draft; heuristic: the starting lookahead), ``T``
 a number (confidence: stop below this probability, in (0, 1]; entropy: stop above this many
 nats, > 0). ``transformers`` and ``oracle`` are bench arms, not runtime policies.
-``+lookup`` runs prompt lookup (``uag.lookup``) before each round: when the last target tokens
+``+lookup`` runs prompt lookup (``uag.decoding.lookup``) before each round: when the last target tokens
 occurred before, their old continuation is verified and the assistant does not draft that
 round. ``lookup`` alone is prompt lookup without the assistant (a plain target step when
 nothing matches).
@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from controllers.base import StopPolicy
 from controllers.rules import (
     ConfidencePolicy,
     EntropyPolicy,
@@ -35,8 +34,9 @@ from controllers.rules import (
     NoDraftPolicy,
     StaticPolicy,
 )
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.policy import StopPolicy
 from uag.errors import UagError
-from uag.lookup import PromptLookup
 
 RULES = ("static", "heuristic", "confidence", "entropy")
 """Hand-written rules: built here, with an optional number."""

@@ -17,7 +17,7 @@ def tokenizers():
     """(target, assistant) real tokenizers: Gemma 3 (SentencePiece) and SmolLM2 (byte-level BPE)."""
     from transformers import AutoTokenizer
 
-    from uag.models import convert_gguf
+    from uag.runtime.models import convert_gguf
 
     return tuple(
         AutoTokenizer.from_pretrained(str(convert_gguf(name)))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from uag.collect import ITERATION_COLUMNS, part_path, write_part
-from uag.features import FEATURE_NAMES, SCHEMA_VERSION
+from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
+from uag.harness.collect import ITERATION_COLUMNS, part_path, write_part
 
 PROFILE = {
     "device": "cpu:test:2threads",

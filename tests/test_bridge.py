@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.nasty import NASTY_PROMPTS
-from uag.bridge import Bridge, TokenText, complete_utf8_prefix, ends_on_char_boundary
+from uag.decoding.bridge import Bridge, TokenText, complete_utf8_prefix, ends_on_char_boundary
 from uag.errors import UagError
 
 
@@ -100,8 +100,8 @@ def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
     """A checkpoint inside $UAG_CACHE loads its tokenizer from a pickle the second time, with
     the same encodings, decodings and byte table; an edited tokenizer is rebuilt; a directory
     outside the cache is never written to."""
-    from uag import tokcache
-    from uag.bridge import token_bytes_table
+    from uag.decoding.bridge import token_bytes_table
+    from uag.runtime import tokcache
 
     monkeypatch.setenv("UAG_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("UAG_TOKENIZER_CACHE", raising=False)

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 
 from tests.tiny import cross_pair
-from uag import calibration
 from uag.cli import main
+from uag.decoding.lookup import PromptLookup
 from uag.errors import UagError
-from uag.latency import LatencyProfile
-from uag.lookup import PromptLookup
-from uag.prompts import Prompt
+from uag.harness import calibration
+from uag.harness.latency import LatencyProfile
+from uag.harness.prompts import Prompt
 
 REPEATING = [
     Prompt("loop-0", "ab ab ab ab ab ab ab ab ab ab ab ab"),

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tests.tiny import one_clean_line
-from uag import native
 from uag.cli import COMMANDS, build_parser, main
+from uag.kernels import native
 
 
 def test_help_lists_every_command(capsys):
@@ -168,7 +168,7 @@ def test_models_list(capsys):
 
 
 @pytest.mark.parametrize(
-    "first", ["controllers", "controllers.learned", "training.train", "uag.features"]
+    "first", ["controllers", "controllers.learned", "training.train", "uag.decoding.features"]
 )
 def test_packages_import_in_any_order(first):
     import subprocess
@@ -231,11 +231,11 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
     done = subprocess.run([*install, str(wheel)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     probe = (
-        "import uag, uag.cli, uag.prompts\n"
+        "import uag, uag.cli, uag.harness.prompts\n"
         "from controllers.learned import LearnedPolicy\n"
         "print(uag.__file__)\n"
         "print(uag.cli.SHIPPED_CONTROLLER.is_symlink(), LearnedPolicy(uag.cli.SHIPPED_CONTROLLER).info.target)\n"
-        "print(len(uag.prompts.load_prompts('mixed:test')))\n"
+        "print(len(uag.harness.prompts.load_prompts('mixed:test')))\n"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     ran = subprocess.run(
@@ -255,7 +255,7 @@ def test_the_runtime_never_imports_lightning():
     import sys
 
     probe = (
-        "import sys, uag.cli, uag.bench, uag.collect, controllers.learned, controllers.explore, "
+        "import sys, uag.cli, uag.harness.bench, uag.harness.collect, controllers.learned, controllers.explore, "
         "training.data, training.replay\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )
@@ -275,7 +275,7 @@ SAMPLING_FLAGS = {"sample", "temperature", "top_p", "top_k", "seed"}
     [
         (
             "collect",
-            "uag.collect:CollectConfig",
+            "uag.harness.collect:CollectConfig",
             ["--prompts", "p", "--out", "o"],
             SAMPLING_FLAGS,
             {"launched", "profile_repeats", "sampling"},
@@ -283,7 +283,7 @@ SAMPLING_FLAGS = {"sample", "temperature", "top_p", "top_k", "seed"}
         ),
         (
             "bench",
-            "uag.bench:BenchConfig",
+            "uag.harness.bench:BenchConfig",
             ["--prompts", "p"],
             SAMPLING_FLAGS,
             {"progress", "sampling"},
@@ -291,7 +291,7 @@ SAMPLING_FLAGS = {"sample", "temperature", "top_p", "top_k", "seed"}
         ),
         (
             "calibrate",
-            "uag.calibration:CalibrateConfig",
+            "uag.harness.calibration:CalibrateConfig",
             [],
             set(),
             {"out", "text_column", "chat"},
@@ -350,8 +350,8 @@ def test_a_failure_inside_transformers_own_generate_is_one_clear_line(tokenizers
     (5.25.0's UAG generator did, mid-run) the bench stops with whose failure it is and how to go
     on, not an "internal error"."""
     from tests.tiny import cross_pair
-    from uag.bench import transformers_generate
     from uag.errors import UagError
+    from uag.harness.bench import transformers_generate
 
     pair = cross_pair(tokenizers)
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 import uag
-from controllers.base import DraftContext, DraftStep, IterationOutcome
 from tests.tiny import one_clean_line, same_tokenizer_pair
 from uag.cli import main
-from uag.collect import CollectConfig, collect, part_path, rows_for_prompt
+from uag.decoding.features import FEATURE_NAMES, feature_row
+from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
+from uag.decoding.speculative import IterationRecord
 from uag.errors import UagError
-from uag.features import FEATURE_NAMES, feature_row
-from uag.prompts import Prompt, load_prompts
-from uag.speculative import IterationRecord
+from uag.harness.collect import CollectConfig, collect, part_path, rows_for_prompt
+from uag.harness.prompts import Prompt, load_prompts
 
 
 def _read_dir(out):
@@ -163,8 +163,8 @@ def test_torchrun_kill_9_then_resume(tiny_dirs, tmp_path):
     """Two CPU ranks under torchrun shard the prompts by RANK/WORLD_SIZE into one directory;
     killed with SIGKILL mid-run (the launcher and every worker, as a dying node would be) and started
     again the same way, the run ends with every prompt's part exactly once."""
-    from uag.collect import meta_path, part_path
-    from uag.prompts import load_prompts
+    from uag.harness.collect import meta_path, part_path
+    from uag.harness.prompts import load_prompts
 
     target_dir, assistant_dir = tiny_dirs
     out = tmp_path / "run"
@@ -236,7 +236,7 @@ def test_torchrun_kill_9_then_resume(tiny_dirs, tmp_path):
 
 
 def test_launcher_environment_is_read_strictly(tiny_dirs, tmp_path, capsys, monkeypatch):
-    from uag import launcher
+    from uag.harness import launcher
 
     assert launcher.from_env({}) is None
     assert launcher.from_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
@@ -338,7 +338,7 @@ def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_d
 
 
 def test_collect_under_sampling_logs_soft_labels(tiny_dirs, tmp_path):
-    from uag.sampling import SamplingConfig
+    from uag.decoding.sampling import SamplingConfig
 
     out = tmp_path / "sampled"
 
@@ -370,7 +370,7 @@ def test_collect_under_sampling_logs_soft_labels(tiny_dirs, tmp_path):
 
 
 def test_prompt_ids_without_an_id_column_come_from_the_text(tmp_path):
-    from uag.prompts import load_prompts, split_of, text_id
+    from uag.harness.prompts import load_prompts, split_of, text_id
 
     texts = [f"prompt number {i}: say something" for i in range(12)]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import uag
-from controllers.base import DraftContext
 from controllers.learned import LearnedPolicy
 from tests.tiny import one_clean_line
 from training.export import export_onnx
 from training.model import ControllerNet
-from uag.bench import ArmRun, BenchConfig, bootstrap_interval, rotated, run_bench
 from uag.cli import main
+from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION, gate_row
+from uag.decoding.policy import DraftContext
+from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
-from uag.features import FEATURE_NAMES, SCHEMA_VERSION, gate_row
-from uag.sampling import SamplingConfig
+from uag.harness.bench import ArmRun, BenchConfig, bootstrap_interval, rotated, run_bench
 
 PROFILE = {"device": "cpu:test", "draft_s": 0.03, "verify_s": [0.08, 0.1]}
 
@@ -351,7 +351,7 @@ def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
 
 
 def test_paired_check_needs_evidence_and_refuses_impossible_samples():
-    from uag.distribution import paired_check
+    from uag.harness.distribution import paired_check
 
     base = [-1.0, -2.0, -0.5, -1.5, -3.0, -1.2, -0.8, -2.2]
     same = paired_check(
@@ -412,8 +412,8 @@ def test_foreign_pair_device_or_decoding_is_named(tmp_path, capsys):
 def test_features_mean_the_same_under_any_policy():
     """Schema 2: what earlier rounds drafted and accepted (which depends on the policy that ran
     them) never reaches a feature row, and ``generated`` stops at the collected horizon."""
-    from controllers.base import DraftStep
-    from uag.features import GENERATED_HORIZON, feature_row
+    from uag.decoding.features import GENERATED_HORIZON, feature_row
+    from uag.decoding.policy import DraftStep
 
     def row(**changes: float) -> np.ndarray:
         fields = dict(
@@ -436,8 +436,8 @@ def test_repeat_length_finds_the_longest_repeated_suffix():
     """Schema 3's ``repeat``: the longest of 3/6/12/24 bytes of the text's end seen earlier in
     it (overlaps count, the end itself does not), on code, prose and CJK bytes; its feature
     moves the row, and the gate row (before any draft) blanks it."""
-    from controllers.base import DraftStep
-    from uag.features import feature_row, repeat_length, to_gate_rows
+    from uag.decoding.features import feature_row, repeat_length, to_gate_rows
+    from uag.decoding.policy import DraftStep
 
     assert repeat_length(b"") == repeat_length(b"abc") == 0
     assert repeat_length(b"the quick brown fox") == 0
@@ -470,13 +470,13 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
     a short, fully accepted round as ~0.67, below its 0.82 threshold.)"""
     from pathlib import Path
 
-    from controllers.base import DraftStep
+    from uag.decoding.policy import DraftStep
 
     shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
     policy = LearnedPolicy(shipped)
     assert policy.info.feature_names == list(FEATURE_NAMES)
     assert policy.info.schema_version == SCHEMA_VERSION
-    from uag.prompts import load_prompts
+    from uag.harness.prompts import load_prompts
 
     # trained on :train prompts only, so every bench of :test prompts in the README is held-out
     held_out = [p.id for p in load_prompts("humaneval:test+mixed:test")]
@@ -496,7 +496,7 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
             context=ctx,
         )  # fmt: skip
 
-    from uag.features import feature_row
+    from uag.decoding.features import feature_row
 
     assert policy.budget(ctx) >= 1
     confident, hopeless = (policy._score(feature_row(step(p))) for p in (0.99, 0.02))
@@ -507,7 +507,7 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
 
 
 def test_bench_warns_when_a_prompt_was_in_the_controllers_training_data(tmp_path, capsys):
-    from uag.prompts import load_prompts
+    from uag.harness.prompts import load_prompts
 
     ids = [p.id for p in load_prompts("mixed", limit=3)]
     _export(tmp_path / "c.onnx", extra={"train_prompt_ids": json.dumps([ids[1], "elsewhere"])})

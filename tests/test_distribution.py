@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from uag.distribution import pit_value, uniformity_check
+from uag.harness.distribution import pit_value, uniformity_check
 
 
 def _probs() -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_an_impossible_token_fails():
 
 
 def _excess(sample_from: torch.Tensor, score_under: torch.Tensor, n: int, seed: int):
-    from uag.distribution import ExcessCheck, logprob_moments
+    from uag.harness.distribution import ExcessCheck, logprob_moments
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.multinomial(sample_from, n, replacement=True, generator=gen).tolist()
@@ -85,7 +85,7 @@ def test_excess_logprob_is_centred_for_exact_draws_and_catches_a_rare_bad_token(
 
 
 def test_logprob_moments_are_exact():
-    from uag.distribution import logprob_moments
+    from uag.harness.distribution import logprob_moments
 
     p = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
     entropy, var = logprob_moments(p)

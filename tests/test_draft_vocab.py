@@ -11,10 +11,10 @@ import uag
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import cross_pair, one_clean_line, q8_0_like, same_tokenizer_pair
-from uag import native
 from uag.cli import main
-from uag.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE, PrefixLinear, draft_head
 from uag.errors import UagError
+from uag.kernels import native
+from uag.runtime.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE, PrefixLinear, draft_head
 
 needs_native = pytest.mark.skipif(
     native.native_unavailable() is not None, reason=f"native kernel: {native.native_unavailable()}"

@@ -1,4 +1,4 @@
-"""Exact replay (``uag.dryrun``): the loop's rounds for any policy, from a target-alone record."""
+"""Exact replay (``uag.harness.dryrun``): the loop's rounds for any policy, from a target-alone record."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import ClassVar
 import pytest
 
 import uag
-from controllers.base import DraftContext, DraftStep, IterationOutcome
 from controllers.learned import LearnedPolicy
 from controllers.rules import ConfidencePolicy, StaticPolicy
 from tests.test_controller import COST, _export
 from tests.toy import toy_pair
-from uag import dryrun
 from uag.api import encode_prompt, render_prompt
-from uag.latency import LatencyProfile
+from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
+from uag.harness import dryrun
+from uag.harness.latency import LatencyProfile
 
 PROMPTS = ("def add(a, b):\n", "the cat sat on", "print('hi')\r\nfor i in range(10):\n\t")
 ROUND_FIELDS = ("drafted", "candidates", "accepted_candidates", "emitted", "accepted_drafts")

@@ -1,4 +1,4 @@
-"""Streamed weights in huge pages (uag.hugepages): same bits, same tokens, advised memory."""
+"""Streamed weights in huge pages (uag.kernels.hugepages): same bits, same tokens, advised memory."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import uag
 from controllers.rules import StaticPolicy
 from tests.tiny import cross_pair
-from uag import hugepages, native
+from uag.kernels import hugepages, native
 
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages")
 needs_native = pytest.mark.skipif(

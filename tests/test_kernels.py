@@ -18,10 +18,11 @@ from tests.tiny import (
     q8_0_like,
     same_tokenizer_pair,
 )
-from uag import kernels, native
+from uag.decoding.speculative import TIE_BOUND
 from uag.errors import UagError
-from uag.runner import HeadOutput
-from uag.speculative import TIE_BOUND
+from uag.kernels import choice as kernels
+from uag.kernels import native
+from uag.runtime.runner import HeadOutput
 
 needs_onednn = pytest.mark.skipif(
     not kernels.fast_kernels_available(), reason="oneDNN packed linear unavailable here"
@@ -267,7 +268,7 @@ def _near_tie_head(seed: int = 0) -> tuple[nn.Linear, torch.Tensor, int, int]:
 
 @needs_native
 def test_screened_head_argmax_is_exact_at_a_near_tie_int8_gets_wrong():
-    from uag.screened import ScreenedHead
+    from uag.kernels.screened import ScreenedHead
 
     head, x, a, b = _near_tie_head()
     exact = native.NativeLinear(head)(x)
@@ -291,7 +292,7 @@ def test_screened_head_argmax_is_exact_at_a_near_tie_int8_gets_wrong():
 
 @needs_native
 def test_screened_head_matches_fp32_on_random_heads():
-    from uag.screened import ScreenedHead
+    from uag.kernels.screened import ScreenedHead
 
     torch.manual_seed(0)
     for trial in range(20):
@@ -310,7 +311,7 @@ def test_screened_head_matches_fp32_on_random_heads():
 def test_screened_head_bound_holds_with_and_without_exact_channels(outliers):
     """Every approximate logit lies within its bound of the fp32 one, on inputs with a few huge
     channels (like Gemma 3's); and the bound's activation term is needed (without it, fails)."""
-    from uag.screened import ScreenedHead
+    from uag.kernels.screened import ScreenedHead
 
     torch.manual_seed(1)
     head = nn.Linear(96, 3000, bias=True)
@@ -687,7 +688,7 @@ def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
     """Heads held in exact blocks (Gemma's is block int8) take the C exact step: the same ids
     and logits as the torch path, the full product's values at the winners, and an exact tie
     between two identical rows goes to the lower id."""
-    from uag.screened import ScreenedHead
+    from uag.kernels.screened import ScreenedHead
 
     gen = torch.Generator().manual_seed(5)
     if form == "block_int8":
@@ -722,7 +723,7 @@ def test_full_head_sampling_reads_includes_the_bias(form):
     included, whichever form holds the weight (the exact blocks, their ``exact.c`` copy, an
     fp32 copy): those forms hold the weight alone, and a head with a bias was sampled without
     it."""
-    from uag.screened import ScreenedHead
+    from uag.kernels.screened import ScreenedHead
 
     if form == "block_int8":
         head = _gguf_like_linear(512, 64, steps=127, seed=3)

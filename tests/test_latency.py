@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 import uag
-from uag.latency import measure_pair_profile, pair_sampler
+from uag.harness.latency import measure_pair_profile, pair_sampler
 
 
 def test_profile_slices_accumulate_and_the_prices_are_the_medians_of_all(tiny_dirs):

@@ -11,8 +11,8 @@ from controllers.rules import NoDraftPolicy, StaticPolicy
 from controllers.spec import PolicySpec, parse_policy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import cross_pair, same_tokenizer_pair
+from uag.decoding.lookup import PromptLookup
 from uag.errors import UagError
-from uag.lookup import PromptLookup
 
 
 def brute_force(ids: list[int], *, max_ngram: int, min_ngram: int, limit: int):
@@ -205,12 +205,12 @@ def test_lookup_spec_builds_a_policy_that_never_drafts():
 
 
 def test_exact_replay_copies_the_same_rounds():
-    """Lookup proposals depend only on the target's text, so exact replay (``uag.dryrun``)
+    """Lookup proposals depend only on the target's text, so exact replay (``uag.harness.dryrun``)
     reproduces the loop's rounds with lookup too: copied, drafted, skipped, one by one."""
     from tests.test_dryrun import ROUND_FIELDS, _ids
     from tests.toy import toy_pair
-    from uag import dryrun
-    from uag.latency import LatencyProfile
+    from uag.harness import dryrun
+    from uag.harness.latency import LatencyProfile
 
     pair = toy_pair(noise=0.3)
     profile = LatencyProfile(device="cpu:test", draft_s=0.01, verify_s=(0.05, 0.06))
@@ -274,7 +274,7 @@ def test_asked_rounds_see_the_copies_the_lag_and_the_targets_statistics(cross):
     of the last emitted token, also when that token came from a copied round (they are read
     lazily, only for rounds that ask)."""
     from tests.test_dryrun import _ids
-    from uag import dryrun
+    from uag.harness import dryrun
 
     prompt = "the cat sat on the mat, the cat sat on the mat, the cat"
     trace = dryrun.record_trace(cross, _ids(cross, prompt)[0], 40)

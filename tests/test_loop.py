@@ -19,9 +19,10 @@ from tests.tiny import (
     tiny_gemma,
     tiny_llama,
 )
-from uag import kernels, native
 from uag.errors import UagError
-from uag.runner import CachedLM
+from uag.kernels import choice as kernels
+from uag.kernels import native
+from uag.runtime.runner import CachedLM
 
 POLICIES = [
     lambda: StaticPolicy(k=1),
@@ -223,7 +224,7 @@ def test_each_draft_step_knows_how_much_of_its_text_repeats(which, request):
     repeated suffix of the prompt's text, the target's text before the round and the draft so
     far (recomputed here from the result); a repetitive prompt gives some non-zero ones."""
     from uag.api import encode_prompt
-    from uag.features import repeat_length
+    from uag.decoding.features import repeat_length
 
     pair = request.getfixturevalue(which)
     prompt = "one two three, one two three, one two three, one two"
@@ -318,7 +319,7 @@ def test_confidence_rule_boundary(similar):
 
 
 def test_heuristic_schedule():
-    from controllers.base import IterationOutcome
+    from uag.decoding.policy import IterationOutcome
 
     h = HeuristicPolicy(start=3)
     h.update(IterationOutcome(drafted=3, accepted=3))
@@ -401,7 +402,7 @@ def test_the_assistant_heals_text_that_ends_in_whitespace(cross, fed):
     waits to be fed (``fed``: the prompt was cached), and a draft among ``fitting`` ids starts
     with the space."""
     from uag.api import encode_prompt
-    from uag.speculative import _AssistantText
+    from uag.decoding.speculative import _AssistantText
 
     a, side = cross.assistant_lm, cross.bridge.assistant
     prompt = encode_prompt(cross, "def f():\n")[1]
@@ -425,7 +426,7 @@ def test_a_newline_is_healed_after_an_indented_line_only(cross, prompt, healed):
     SmolLM2 never makes), so the newline is taken back; after prose it stays, since the
     assistant would mostly draft it again, a forward that spells nothing new."""
     from uag.api import encode_prompt
-    from uag.speculative import _AssistantText
+    from uag.decoding.speculative import _AssistantText
 
     a, side = cross.assistant_lm, cross.bridge.assistant
     ids = encode_prompt(cross, prompt)[1]
@@ -440,7 +441,7 @@ def test_a_heal_no_draft_can_spell_is_not_made(cross):
     """``spells`` (sampling: ``Intersection.can_heal``) says whether the next draft can spell
     the bytes a heal takes back; where it says no, nothing is taken back."""
     from uag.api import encode_prompt
-    from uag.speculative import _AssistantText
+    from uag.decoding.speculative import _AssistantText
 
     a, side = cross.assistant_lm, cross.bridge.assistant
     prompt = encode_prompt(cross, "def f():\n")[1]
@@ -457,7 +458,7 @@ def test_a_shared_vocabulary_keeps_the_targets_split(similar):
     """Both sides with one tokenizer: the assistant is neither re-encoded across the boundary
     nor healed (the target's own ids are its best context)."""
     from uag.api import encode_prompt
-    from uag.speculative import _AssistantText
+    from uag.decoding.speculative import _AssistantText
 
     a = similar.assistant_lm
     prompt = encode_prompt(similar, "def f():\n")[1]

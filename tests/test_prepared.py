@@ -1,4 +1,4 @@
-"""Prepared models (``uag.prepared``): built once, memory-mapped after, and the same model."""
+"""Prepared models (``uag.runtime.prepared``): built once, memory-mapped after, and the same model."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import uag
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import one_row_vs_chunked_logits, tiny_gemma
-from uag import native, prepared
 from uag.api import make_pair
-from uag.models import load_model
-from uag.runner import CachedLM
+from uag.kernels import native
+from uag.runtime import prepared
+from uag.runtime.models import load_model
+from uag.runtime.runner import CachedLM
 
 pytestmark = pytest.mark.skipif(
     native.native_unavailable() is not None, reason="native kernel unavailable"

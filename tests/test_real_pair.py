@@ -14,10 +14,11 @@ import uag
 from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import logits_after_crop_and_fresh, one_row_vs_chunked_logits
-from uag import kernels, native
-from uag.models import load_model
-from uag.runner import CachedLM
-from uag.speculative import TIE_BOUND
+from uag.decoding.speculative import TIE_BOUND
+from uag.kernels import choice as kernels
+from uag.kernels import native
+from uag.runtime.models import load_model
+from uag.runtime.runner import CachedLM
 
 pytestmark = pytest.mark.real
 
@@ -58,7 +59,7 @@ def test_real_screened_head_is_the_fp32_argmax(real_pair, plain_target):
     text (and computes that token's logit exactly), with only a few dozen exact rows per position;
     its exact blocks (no fp32 copy kept) give the fp32 head's logits bitwise, and the full head
     sampling reads is within 4 roundings (of sum |x||w|) of the exact product, closer than fp32."""
-    from uag.screened import ScreenedHead
+    from uag.kernels.screened import ScreenedHead
 
     lm = real_pair.target_lm
     screened = lm._greedy.fast
@@ -230,14 +231,14 @@ def test_lossless_with_int8_assistant():
 
 
 def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
-    """``uag.dryrun`` on the real cross-tokenizer pair: for a static lookahead and the shipped
+    """``uag.harness.dryrun`` on the real cross-tokenizer pair: for a static lookahead and the shipped
     controller (which reads the target's statistics), the replayed rounds are the loop's."""
     from pathlib import Path
 
     from controllers.learned import LearnedPolicy
-    from uag import dryrun
     from uag.api import encode_prompt, render_prompt
-    from uag.latency import LatencyProfile
+    from uag.harness import dryrun
+    from uag.harness.latency import LatencyProfile
 
     shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
     profile = LatencyProfile(device="cpu:test", draft_s=0.005, verify_s=[0.016, 0.017])

@@ -13,10 +13,9 @@ from scipy.stats import chisquare
 
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from uag.api import encode_prompt
-from uag.bridge import token_bytes_table
-from uag.errors import UagError
-from uag.lookup import PromptLookup
-from uag.sampling import (
+from uag.decoding.bridge import token_bytes_table
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.sampling import (
     PointQ,
     SamplingConfig,
     expected_acceptance,
@@ -25,7 +24,8 @@ from uag.sampling import (
     target_only_sample,
     verify_draft,
 )
-from uag.speculative import LoopOutput
+from uag.decoding.speculative import LoopOutput
+from uag.errors import UagError
 
 from .tiny import cross_pair, same_tokenizer_pair
 from .toy import toy_pair
@@ -281,7 +281,7 @@ def test_a_healed_draft_stands_for_the_token_after_the_healed_text(tokenizers):
 def test_a_drafted_positions_mass_is_its_dense_entry(tokenizers):
     """Acceptance reads q at the drafted token (``TargetQ.at``) and a rejection's residual the
     whole vector (``dense``): the same value for every target id, shared ones included."""
-    from uag.sampling import Intersection, TargetQ
+    from uag.decoding.sampling import Intersection, TargetQ
 
     gen = torch.Generator().manual_seed(0)
     real = cross_pair(tokenizers).intersection()

@@ -8,8 +8,8 @@ import pytest
 
 from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
 from controllers.spec import PolicySpec, parse_policy, parse_policy_list
-from uag.bench import parse_policies
 from uag.errors import UagError
+from uag.harness.bench import parse_policies
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ from training import replay
 from training.data import load_runs
 from training.train import TrainConfig, train
 from uag.cli import main
+from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
 from uag.errors import UagError
-from uag.features import FEATURE_NAMES, SCHEMA_VERSION
-from uag.latency import LatencyProfile
+from uag.harness.latency import LatencyProfile
 
 
 def _iterations(accepted, drafted, target_tokens) -> replay.Iterations:
@@ -156,8 +156,8 @@ def test_replay_prices_what_the_loop_pays_around_forwards():
 
 
 def test_loop_overheads_come_from_the_measured_rounds():
-    from uag.latency import loop_overheads
-    from uag.speculative import IterationRecord
+    from uag.decoding.speculative import IterationRecord
+    from uag.harness.latency import loop_overheads
 
     def rec(drafted: int, draft: float, verify: float, first: float, whole: float, lag: int = 2):
         return IterationRecord(
@@ -566,7 +566,7 @@ def test_report_split_is_held_out_from_training_and_tuning(tmp_path):
     prompts' fixed point, and the reported figures are that κ (and the other tuned parameters)
     replayed on the report prompts, recomputed here from the exported file."""
     from training.data import replayable, split_by_prompt
-    from uag.features import to_gate_rows
+    from uag.decoding.features import to_gate_rows
 
     run = write_run(tmp_path / "run", prompts=16)
     data = load_runs([run])

@@ -7,8 +7,8 @@ import random
 import torch
 
 from uag.api import Pair, make_pair
-from uag.kernels import ROWWISE_MAX_ROWS
-from uag.models import wrap_model
+from uag.kernels.choice import ROWWISE_MAX_ROWS
+from uag.runtime.models import wrap_model
 
 
 def one_clean_line(capsys) -> str:
@@ -21,7 +21,7 @@ def one_clean_line(capsys) -> str:
 def logits_after_crop_and_fresh(model, ids: list[int], rejected: list[int], next_id: int):
     """(``model``: a Transformers model, or a ``CachedLM`` to run twins of.) Logits for ``next_id`` after feeding ``rejected`` and cropping it away, and from a fresh
     prefill of the same sequence: a correct rollback makes them equal."""
-    from uag.runner import CachedLM
+    from uag.runtime.runner import CachedLM
 
     make = model.twin if isinstance(model, CachedLM) else lambda: CachedLM(model)
     lm = make()
@@ -197,7 +197,7 @@ def same_tokenizer_pair(
 ) -> Pair:
     """Tiny Gemma target ← a noisy copy of itself: many acceptances, some rejections. It drafts
     from every id by default, so what it gets accepted is down to the noise alone (a random
-    model's choices ignore ``uag.draft_vocab``'s frequency order)."""
+    model's choices ignore ``uag.runtime.draft_vocab``'s frequency order)."""
     gemma_tok, _ = tokenizers
     model = tiny_gemma(len(gemma_tok))
     target = wrap_model(model, gemma_tok, ref="tiny-gemma")

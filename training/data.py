@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from uag.decoding.features import to_gate_rows
 from uag.errors import UagError
-from uag.features import to_gate_rows
-from uag.latency import LatencyProfile
+from uag.harness.latency import LatencyProfile
 
 ITERATION_KEYS = ("prompt_id", "iteration")
 
@@ -64,7 +64,7 @@ class Collected:
 
 
 def from_columns(parts: list[dict[str, np.ndarray]], meta: dict[str, Any]) -> Collected:
-    """In-memory rows (as ``uag.collect.rows_for_prompt`` makes them) → ``Collected``, for replay."""
+    """In-memory rows (as ``uag.harness.collect.rows_for_prompt`` makes them) → ``Collected``, for replay."""
     names = list(meta["feature_names"])
     data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return Collected(
@@ -94,7 +94,7 @@ latencies of another device): mixed only with ``allow_mixed``."""
 
 
 def _metas(run: Path) -> list[dict[str, Any]]:
-    from uag.collect import read_meta
+    from uag.harness.collect import read_meta
 
     files = sorted(run.glob("meta*.json"))
     if not files:
@@ -251,7 +251,7 @@ def with_gate_rows(data: Collected) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     ``(features, training targets, outcome labels)``.
 
     The same network then answers both questions: "keep drafting?" after a token, and "draft at
-    all?" before an iteration (see ``uag.features.gate_row``).
+    all?" before an iteration (see ``uag.decoding.features.gate_row``).
     """
     first = data.columns["position"] == 1
     features = np.concatenate([data.features, to_gate_rows(data.features[first])])

@@ -1,7 +1,7 @@
 """The controller network: raw features in, P(accepted) out. Plain torch, no Lightning.
 
 Normalisation statistics from the training split are buffers of the network, so the exported
-ONNX graph takes raw feature rows exactly as ``uag.features.feature_row`` produces them.
+ONNX graph takes raw feature rows exactly as ``uag.decoding.features.feature_row`` produces them.
 """
 
 from __future__ import annotations

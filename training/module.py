@@ -13,7 +13,7 @@ from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, Bin
 from training import replay
 from training.data import Collected
 from training.model import ControllerNet
-from uag.features import to_gate_rows
+from uag.decoding.features import to_gate_rows
 
 
 class ControllerModule(L.LightningModule):

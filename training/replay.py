@@ -27,7 +27,7 @@ import numpy as np
 
 from controllers.cost import CostRule, CostState
 from training.data import Collected
-from uag.latency import LatencyProfile
+from uag.harness.latency import LatencyProfile
 
 
 @dataclass(frozen=True)

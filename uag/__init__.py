@@ -1,17 +1,34 @@
-"""uag: lossless cross-tokenizer speculative decoding with a learned lookahead controller."""
+"""uag: lossless cross-tokenizer speculative decoding with a learned lookahead controller.
 
-from uag.api import GenerationResult, Pair, generate, load_pair
-from uag.errors import UagError
-from uag.lookup import PromptLookup
-from uag.sampling import SamplingConfig
+The names below load on first use (PEP 562), so ``import uag.errors`` or a CLI ``--help`` does
+not import torch, and the floors below ``uag.api`` never import it back.
+"""
 
-__all__ = [
-    "GenerationResult",
-    "Pair",
-    "PromptLookup",
-    "SamplingConfig",
-    "UagError",
-    "generate",
-    "load_pair",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from uag.api import GenerationResult, Pair, generate, load_pair
+    from uag.decoding.lookup import PromptLookup
+    from uag.decoding.sampling import SamplingConfig
+    from uag.errors import UagError
+
+_WHERE = {
+    "GenerationResult": "uag.api",
+    "Pair": "uag.api",
+    "generate": "uag.api",
+    "load_pair": "uag.api",
+    "PromptLookup": "uag.decoding.lookup",
+    "SamplingConfig": "uag.decoding.sampling",
+    "UagError": "uag.errors",
+}
+__all__ = sorted(_WHERE)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'uag' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)

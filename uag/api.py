@@ -16,19 +16,32 @@ from typing import Any
 
 import torch
 
-from controllers.base import StopPolicy
-from uag.bridge import Bridge
-from uag.draft_vocab import check_size
+from uag.decoding.bridge import Bridge
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.policy import StopPolicy
+from uag.decoding.sampling import (
+    Intersection,
+    SamplingConfig,
+    special_ids,
+    speculative_sample,
+    target_only_sample,
+)
+from uag.decoding.speculative import (
+    IterationRecord,
+    StopReason,
+    speculative_generate,
+    target_only_generate,
+)
 from uag.errors import UagError
-from uag.kernels import (
+from uag.kernels.choice import (
     accelerate_target,
     is_row_invariant,
     quantize_int8,
     resolve_kernels,
     swap_linears,
 )
-from uag.lookup import PromptLookup
-from uag.models import (
+from uag.runtime.draft_vocab import check_size
+from uag.runtime.models import (
     DEFAULT_ASSISTANT,
     DEFAULT_TARGET,
     LoadedModel,
@@ -37,15 +50,7 @@ from uag.models import (
     resolve_device,
     resolve_dtype,
 )
-from uag.runner import CachedLM
-from uag.sampling import (
-    Intersection,
-    SamplingConfig,
-    special_ids,
-    speculative_sample,
-    target_only_sample,
-)
-from uag.speculative import IterationRecord, StopReason, speculative_generate, target_only_generate
+from uag.runtime.runner import CachedLM
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Pair:
 
     @property
     def draft_vocab(self) -> int:
-        """Greedy drafts come from the assistant's first N ids (``uag.draft_vocab``); 0: all."""
+        """Greedy drafts come from the assistant's first N ids (``uag.runtime.draft_vocab``); 0: all."""
         return self.assistant_lm.draft_vocab
 
 
@@ -114,7 +119,7 @@ class GenerationResult:
 
     @property
     def copied_tokens(self) -> int:
-        """Candidates that prompt lookup copied (``uag.lookup``), and below, how many of them
+        """Candidates that prompt lookup copied (``uag.decoding.lookup``), and below, how many of them
         the target accepted: the lookup's own acceptance, apart from the assistant's."""
         return sum(r.candidates for r in self.iterations if r.lookup)
 
@@ -184,7 +189,7 @@ def load_pair(
     draft_vocab: int | None = None,
 ) -> Pair:
     """Load both models and build the bridge (GGUF references are converted once, then cached).
-    ``draft_vocab``: greedy drafts from the assistant's first N ids (``uag.draft_vocab``; None:
+    ``draft_vocab``: greedy drafts from the assistant's first N ids (``uag.runtime.draft_vocab``; None:
     the default where its head can be cut; 0: every id)."""
     check_size(draft_vocab)
     for ref in (target, assistant):
@@ -211,10 +216,10 @@ def load_pair(
 def _prepared_pair(
     target: str, assistant: str, *, assistant_int8: bool, draft_vocab: int | None
 ) -> Pair | None:
-    """The pair from prepared files (``uag.prepared``: built on the first start), or None where
+    """The pair from prepared files (``uag.runtime.prepared``: built on the first start), or None where
     either model cannot be prepared. Its ``LoadedModel.model`` is None: no Transformers model
     is loaded."""
-    from uag import prepared
+    from uag.runtime import prepared
 
     tgt = prepared.load(target, role="target")
     if tgt is None:
@@ -246,7 +251,7 @@ def make_pair(
 
     With ``native`` or ``onednn`` kernels the models' linear layers are swapped in place (and
     Transformers' attention set to row by row, for models without a lean forward; see
-    ``uag.kernels``): to time stock Transformers, load a separate copy.
+    ``uag.kernels.choice``): to time stock Transformers, load a separate copy.
     """
     mode = resolve_kernels(kernels, target.device, target.dtype)
     target_lm = target_lm_for(target.model, target.tokenizer, mode)
@@ -265,8 +270,8 @@ def make_pair(
 def target_lm_for(model: Any, tokenizer: Any, mode: str) -> CachedLM:
     """The target on ``mode``'s kernels (linears swapped in place, the fast greedy head, the
     screened head calibrated), knowing whether its rows are count-invariant: what
-    ``make_pair`` and ``uag.prepared`` both run."""
-    from uag.screened import ScreenedHead, calibrate
+    ``make_pair`` and ``uag.runtime.prepared`` both run."""
+    from uag.kernels.screened import ScreenedHead, calibrate
 
     fast_head = accelerate_target(model, mode) if mode in ("native", "onednn") else None
     lm = CachedLM(model, greedy_head=True, fast_head=fast_head)
@@ -299,7 +304,7 @@ def _pair(
     draft_vocab: int | None = None,
 ) -> Pair:
     """The pair, with the bridge between the two vocabularies; each model's streamed weights
-    in huge pages (``uag.hugepages``: a move already under way finishes last), then the
+    in huge pages (``uag.kernels.hugepages``: a move already under way finishes last), then the
     assistant's draft head (a view of its head's memory, so after the move)."""
     bridge = Bridge.for_tokenizers(
         target=target.tokenizer,
@@ -374,7 +379,7 @@ def generate(
     (the reference: the same output when greedy, the same distribution when sampling).
 
     ``on_text`` receives decoded text as it is accepted (whole characters only). ``lookup``
-    verifies copied continuations before drafting (``uag.lookup``).
+    verifies copied continuations before drafting (``uag.decoding.lookup``).
     """
     text_prompt = render_prompt(pair, _check_prompt(prompt), chat=chat)
     if max_new_tokens < 1:

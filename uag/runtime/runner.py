@@ -1,0 +1,325 @@
+"""A causal LM plus its KV cache over a growing list of token ids.
+
+``CachedLM`` keeps ``ids`` (everything the model has been given) and ``cached`` (how many of them
+are in the KV cache). ``forward()`` feeds the uncached tail in one call and returns its last hidden
+states; ``truncate(keep)`` rolls both back. The heads are separate so each caller pays only for what
+it needs: the target needs an argmax per position, the assistant a full distribution for one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from uag.runtime.lean import LeanBody, lean_body_for
+
+
+def streamed_slots(lean: Any, head: Any, fast_head: Any) -> list[tuple[Any, str]]:
+    """The tensors a greedy step reads in full: the lean body's native layers, and the head's
+    product (the screened head's, else a native head's), as (owner, attribute) slots for
+    ``uag.kernels.hugepages``."""
+    slots = lean.streamed() if lean is not None else []
+    reader = getattr(fast_head if fast_head is not None else head, "streamed", None)
+    return slots + (reader() if reader is not None else [])
+
+
+class CachedLM:
+    """One model's running sequence: ids, KV cache, and the two heads."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        greedy_head: bool = False,
+        fast_head: nn.Module | None = None,
+        lean: bool = True,
+    ) -> None:
+        self.model = model
+        """The Transformers model (None when built ``from_lean``)."""
+        self.body = model.base_model
+        self.lean: LeanBody | None = lean_body_for(model) if lean else None
+        """The lean forward (``uag.runtime.lean``) where the architecture allows; else Transformers'."""
+        self._setup(
+            head=model.get_output_embeddings(),
+            softcap=getattr(model.config, "final_logit_softcapping", None),
+            device=next(model.parameters()).device,
+            greedy_head=greedy_head,
+            fast_head=fast_head,
+        )
+
+    @classmethod
+    def from_lean(
+        cls,
+        lean: LeanBody,
+        *,
+        head: nn.Module,
+        softcap: float | None,
+        greedy_head: bool = False,
+        fast_head: nn.Module | None = None,
+    ) -> CachedLM:
+        """A model that exists only as its lean forward and heads (``uag.runtime.prepared``): no
+        Transformers object behind it."""
+        self = cls.__new__(cls)
+        self.model = self.body = None
+        self.lean = lean
+        self._setup(
+            head=head,
+            softcap=softcap,
+            device=lean.device,
+            greedy_head=greedy_head,
+            fast_head=fast_head,
+        )
+        return self
+
+    def _setup(
+        self,
+        *,
+        head: nn.Module,
+        softcap: float | None,
+        device: torch.device,
+        greedy_head: bool,
+        fast_head: nn.Module | None,
+    ) -> None:
+        self.head = head
+        """The LM head ``logits`` multiplies by (the model's own, or a native copy)."""
+        self.softcap = softcap
+        self.device = device
+        self.vocab_size = int(head.out_features)  # type: ignore[arg-type]
+        self._greedy = (
+            GreedyHead(getattr(head, "weight", None), getattr(head, "bias", None), fast=fast_head)
+            if greedy_head
+            else None
+        )
+        self.row_invariant = False
+        """A position's logits do not depend on how many positions share the forward (bitwise),
+        for forwards of up to ``ROWWISE_MAX_ROWS`` rows; otherwise verification guards near-ties."""
+        self.ids: list[int] = []
+        self.cached = 0
+        self.cache: Any = None
+        self._full: nn.Module | None = None
+        self.draft_head: nn.Module | None = None
+        """``draft`` multiplies by this instead of ``head`` (``uag.runtime.draft_vocab``: the first
+        ``draft_vocab`` ids), None: by ``head``."""
+        self.draft_vocab = 0
+        """The ids ``draft`` chooses from are ``0 .. draft_vocab - 1``; 0: every id."""
+        self.in_huge_pages = False
+        """``move_to_huge_pages`` ran (the weights are shared by ``twin``s: once is enough)."""
+        self.moving: Any = None
+        """A ``uag.kernels.hugepages.Move`` of ``streamed()`` under way (``uag.runtime.prepared`` starts one)."""
+
+    def streamed(self) -> list[tuple[Any, str]]:
+        """What every greedy step reads in full, as slots for ``uag.kernels.hugepages``."""
+        return streamed_slots(self.lean, self.head, self._greedy.fast if self._greedy else None)
+
+    def move_to_huge_pages(self) -> int:
+        """Move ``streamed()`` into huge pages (``uag.kernels.hugepages``), or finish the move already
+        under way (``moving``); once per model. Returns the bytes moved."""
+        from uag.kernels import hugepages
+
+        if self.in_huge_pages:
+            return 0
+        moved = (self.moving or hugepages.Move(self.streamed())).finish()
+        self.in_huge_pages, self.moving = True, None
+        if moved and self.lean is not None:
+            self.lean.attach_native()  # its C structs point into the weights
+        return moved
+
+    def twin(self) -> CachedLM:
+        """Another sequence on the same model and heads, with its own ids and cache."""
+        other = copy.copy(self)
+        other.ids, other.cached, other.cache = [], 0, None
+        return other
+
+    def reset(self, ids: Sequence[int], *, rollback: bool) -> None:
+        """Start a new sequence (a fresh cache; nothing fed yet).
+
+        ``rollback=True`` when the caller will ``truncate``: sliding-window layers (Gemma 3) then
+        keep states past the window until the next crop; without it, rolling back after ~512
+        tokens fails. Plain decoding leaves it off so those layers stay bounded.
+        """
+        self.ids = list(ids)
+        self.cached = 0
+        if self.lean is not None:
+            self.cache = self.lean.new_cache()
+            return
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        if rollback:
+            self.cache.activate_past_recording()
+
+    @torch.inference_mode()
+    def forward(self) -> torch.Tensor:
+        """Feed ``ids[cached:]`` and return their last hidden states ``[n, hidden]``."""
+        new = self.ids[self.cached :]
+        assert new, "forward() with nothing to feed"
+        input_ids = torch.tensor(new, dtype=torch.long, device=self.device)  # [n]
+        if self.lean is not None:
+            hidden = self.lean(input_ids, self.cache)
+        else:
+            out = self.body(input_ids=input_ids[None], cache=self.cache, use_cache=True)
+            hidden = out.last_hidden_state[0]
+        self.cached = len(self.ids)
+        return hidden  # [n, hidden]
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first ``keep`` ids; drop the rest from ``ids`` and from the cache.
+
+        Always crops (possibly by zero): sliding-window layers recording the past shrink back to
+        their window only on a crop.
+        """
+        del self.ids[keep:]
+        if self.cached == 0:
+            return  # nothing fed yet (Transformers 5.24 crashes cropping an empty sliding layer)
+        drop = max(self.cached - keep, 0)
+        if self.lean is not None:
+            self.cache.crop(self.cached - drop)
+        else:
+            self.cache.crop(-drop)
+        self.cached -= drop
+
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> HeadOutput:
+        """Argmax token after each row of ``hidden`` ``[n, hidden]`` (statistics on demand)."""
+        if self._greedy is None:
+            logits = self.logits(hidden)
+            return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
+        return self._greedy(hidden)
+
+    @torch.inference_mode()
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every token's float32 logit for the rows of ``hidden`` (soft-capped): what sampling
+        needs, since it reads the whole distribution and not just the argmax.
+
+        Row-count invariant wherever the greedy head's kernel is: with the screened head (native
+        kernels) an fp32 ``NativeLinear`` copy of the head is built on first use (Gemma 3:
+        +671 MB, a few seconds), with oneDNN the packed head itself; elsewhere the model's own
+        head (a GPU's ``F.linear``: a row may round differently with the row count, ~1e-6).
+        """
+        if self._full is None:
+            self._full = self._full_head()
+            streamed = getattr(self._full, "streamed", None)
+            if self.in_huge_pages and streamed is not None:  # sampling streams it every step
+                from uag.kernels import hugepages
+
+                hugepages.move(streamed())
+        out = self._full(hidden).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def _full_head(self) -> nn.Module:
+        from uag.kernels.screened import ScreenedHead
+
+        fast = self._greedy.fast if self._greedy is not None else None
+        if isinstance(fast, ScreenedHead):
+            return fast.full_head()
+        return fast if fast is not None else self.head
+
+    def set_draft_vocab(self, requested: int | None) -> int:
+        """Draft from the first ids only (``uag.runtime.draft_vocab``; None: the default where the head
+        can be cut; 0: every id); returns the size in effect. After ``move_to_huge_pages``:
+        the draft head is a view of the head's memory."""
+        from uag.runtime.draft_vocab import draft_head
+
+        self.draft_head, self.draft_vocab = draft_head(self.head, requested, vocab=self.vocab_size)
+        return self.draft_vocab
+
+    @torch.inference_mode()
+    def draft(
+        self, hidden: torch.Tensor, *, among: np.ndarray | None = None
+    ) -> tuple[int, float, float, float]:
+        """The greedy draft after the last row of ``hidden`` and its statistics
+        ``(id, top probability, second probability, entropy)``, over the draft vocabulary
+        (``set_draft_vocab``): what a drafted token's features read. ``among``: only these ids
+        (each under ``draft_limit``), the statistics over them alone (token healing)."""
+        from uag.kernels.native import draft_stats
+
+        head = self.draft_head if self.draft_head is not None else self.head
+        out = head(hidden[-1:]).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        if among is None:
+            return draft_stats(out[0])
+        index = torch.from_numpy(among).to(out.device)  # int64 ids
+        best, p1, p2, entropy = draft_stats(out[0, index].contiguous())
+        return int(among[best]), p1, p2, entropy
+
+    @property
+    def draft_limit(self) -> int:
+        """The ids ``draft`` chooses from are those below this."""
+        return self.draft_vocab or self.vocab_size
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full float32 logits for the rows of ``hidden`` (with Gemma-style soft-capping)."""
+        out = self.head(hidden).float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+
+class GreedyHead:
+    """Argmax of the LM head per position, for target-alone decoding and verification alike.
+
+    Why one head for both: target-alone decoding is the reference, so verification must compute
+    each position's logits the same way. On CPU with float32 weights the product runs on the
+    ``fast`` head (``uag.kernels.native.NativeLinear``, or oneDNN's ``uag.kernels.choice.PackedHead``), which
+    costs about the same for 1–9 rows; elsewhere (CUDA, other dtypes, or ``--kernels plain``) a plain ``F.linear`` is used,
+    which is bandwidth-bound on a GPU already. Soft-capping is monotonic and cannot move the
+    argmax, so it is skipped.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor | None, bias: torch.Tensor | None, *, fast: nn.Module | None
+    ) -> None:
+        if weight is None and fast is None:
+            raise ValueError("GreedyHead needs the head's weight or a fast head")
+        self.weight = weight
+        self.bias = bias
+        self.fast = fast
+
+    def __call__(self, hidden: torch.Tensor) -> HeadOutput:
+        """``hidden``: [n, h] → argmax ids [n], keeping the logits for statistics and margins."""
+        greedy = getattr(self.fast, "greedy", None)
+        if greedy is not None:  # the exact screened head finds the argmax itself
+            ids, logits = greedy(hidden.float())
+            return HeadOutput(ids, logits)
+        if self.fast is not None:
+            logits = self.fast(hidden.float())  # [n, V]
+        else:
+            assert self.weight is not None
+            logits = torch.nn.functional.linear(
+                hidden.to(self.weight.dtype), self.weight, self.bias
+            )
+        # argmax takes the first maximum: ties go to the lowest id, on every path.
+        return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
+
+
+@dataclass
+class HeadOutput:
+    """Greedy head result: argmax id per position, and the logits to derive statistics from."""
+
+    ids: list[int]
+    logits: torch.Tensor = field(repr=False)
+    """``[n, V]``: the head's logits for the rows it was given (soft-capping not applied)."""
+
+    def stats(self, row: int) -> tuple[float, float]:
+        """Probability of the argmax token at ``row`` and the entropy (nats) of that distribution.
+
+        Computed for one row on demand (about a millisecond), since only the row of the last
+        emitted token is ever needed and which row that is depends on verification.
+        """
+        logp = torch.log_softmax(self.logits[row].float(), dim=-1)
+        return float(logp.max().exp()), float(-(logp.exp() * logp).sum())
+
+    def margin(self, row: int) -> float:
+        """Top-1 minus top-2 logit at ``row``: how far the argmax is from flipping."""
+        top = torch.topk(self.logits[row].float(), 2).values
+        return float(top[0] - top[1])
