@@ -24,7 +24,15 @@ _WHERE = {
     "SamplingConfig": "uag.decoding.sampling",
     "UagError": "uag.errors",
 }
-__all__ = sorted(_WHERE)
+__all__ = [
+    "GenerationResult",
+    "Pair",
+    "PromptLookup",
+    "SamplingConfig",
+    "UagError",
+    "generate",
+    "load_pair",
+]
 __version__ = "0.1.0"
 
 
