@@ -27,16 +27,20 @@ import json
 import math
 import platform
 import secrets
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.round import MAX_CANDIDATES
 from uag.decoding.sampling import SamplingConfig
-from uag.decoding.speculative import MAX_CANDIDATES
 from uag.errors import UagError
 from uag.harness.distribution import (
     ExcessCheck,
@@ -770,23 +774,69 @@ def _encoded(pair: Any, prompt: str, *, chat: bool) -> tuple[list[int], list[int
     return encode_prompt(pair, render_prompt(pair, prompt, chat=chat))
 
 
-def write_report(report: BenchReport, out: Path) -> None:
-    """results.json, results.md, speedup.png and TensorBoard scalars under ``out``."""
+def _git_commit() -> str:
+    """The checkout's commit (``+dirty`` when tracked files changed), or ``unknown``: never fails."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _command_line(argv: list[str]) -> str:
+    """``argv`` as a shell line; the entry point (``.venv/bin/uag``, ``uag/__main__.py``) as ``uag``."""
+    if not argv:
+        return "unknown"
+    first = Path(argv[0])
+    prog = "uag" if first.name == "uag" or first.parent.name == "uag" else argv[0]
+    return shlex.join([prog, *argv[1:]])
+
+
+def write_report(
+    report: BenchReport, out: Path, *, command: str | None = None, now: datetime | None = None
+) -> None:
+    """A dated report under ``out``: results.json, results.md, speedup.png and TensorBoard scalars.
+
+    Both files carry the date (UTC), the git commit (``unknown`` outside a checkout), the machine
+    and the command line (``command``; default: this process's own), so a page can cite the
+    file instead of copying its table."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from torch.utils.tensorboard import SummaryWriter
 
+    when = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    run = {
+        "date_utc": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": _git_commit(),
+        "machine": report.machine,
+        "command": command if command is not None else _command_line(sys.argv),
+    }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
+    (out / "results.json").write_text(json.dumps({"run": run, **report.to_json()}, indent=2))
     lengths = "/".join(str(n) for n in report.config.get("lookup_lengths", []))
     vocab = report.config.get("draft_vocab_used")
     header = (
-        f"{report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, "
+        f"# uag bench, {run['date_utc']}\n\n"
+        f"- command: `{run['command']}`\n"
+        f"- commit: `{run['commit']}`\n"
+        f"- machine: {run['machine']}\n"
+        f"- {report.prompts} prompts, {report.config.get('max_new_tokens')} new tokens, "
         f"lookup copies {lengths or '-'}, "
-        f"drafts from {'every id' if not vocab else f'the first {vocab:,} ids'}, "
-        f"machine: {report.machine}\n\n"
+        f"drafts from {'every id' if not vocab else f'the first {vocab:,} ids'}\n\n"
     )
     (out / "results.md").write_text(header + report.markdown() + "\n")
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -798,7 +848,7 @@ def write_report(report: BenchReport, out: Path) -> None:
     ax.bar(names, values, color=colors)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("speed-up vs target-only")
-    ax.set_title(f"uag bench: {report.prompts} prompts")
+    ax.set_title(f"uag bench, {run['date_utc']}, {run['commit'][:12]}: {report.prompts} prompts")
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)

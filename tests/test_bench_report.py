@@ -1,0 +1,54 @@
+"""`uag bench --out` writes a dated report a docs page can cite: date, commit, machine, command."""
+
+import json
+import re
+import sys
+from datetime import datetime, timezone
+
+from uag.harness import bench
+from uag.harness.bench import BenchReport, PolicyResult, write_report
+
+
+def _report() -> BenchReport:
+    target = PolicyResult("target-only", runs=2, identical_runs=2, speedup_vs_target=1.0)
+    static = PolicyResult(
+        "static-2", runs=2, identical_runs=2, speedup_vs_target=1.1, interval=(1.0, 1.2)
+    )
+    return BenchReport(
+        policies=[target, static],
+        machine="x86_64 test-cpu, 2 threads",
+        prompts=2,
+        config={"max_new_tokens": 8, "lookup_lengths": [3, 5, 11], "draft_vocab_used": 128},
+    )
+
+
+def test_report_carries_date_commit_machine_and_command(tmp_path):
+    when = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    command = "uag bench --prompts mixed --limit 2 --out 'runs/my bench'"
+    write_report(_report(), tmp_path, command=command, now=when)
+    run = json.loads((tmp_path / "results.json").read_text())["run"]
+    assert run["date_utc"] == "2025-01-02T03:04:05Z"
+    assert run["machine"] == "x86_64 test-cpu, 2 threads"
+    assert run["command"] == command
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", run["commit"])
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("# uag bench, 2025-01-02T03:04:05Z\n")
+    for line in (f"command: `{command}`", f"commit: `{run['commit']}`", "machine: x86_64 test-cpu"):
+        assert line in md
+    assert "drafts from the first 128 ids" in md and "| static-2 | 1.10x |" in md
+    assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+def test_report_defaults_to_this_process_and_never_fails_on_git(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/somewhere/.venv/bin/uag", "bench", "--limit", "2"])
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(bench.subprocess, "run", no_git)
+    write_report(_report(), tmp_path)
+    run = json.loads((tmp_path / "results.json").read_text())["run"]
+    assert run["command"] == "uag bench --limit 2"
+    assert run["commit"] == "unknown"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["date_utc"])
+    assert "commit: `unknown`" in (tmp_path / "results.md").read_text()
