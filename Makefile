@@ -44,15 +44,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check uag controllers training tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 ## Everything, slow real-model tests included.
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "slow or not slow"
 
+## Ruff, mypy, and the import floors (pyproject.toml's [tool.importlinter]: no cycles, no climbs).
 lint: $(STAMP)
 	$(BIN)/ruff check uag controllers training tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench-runtime: $(STAMP)
 	$(BIN)/python -m uag.harness.runtime_bench

@@ -100,8 +100,8 @@ def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
     """A checkpoint inside $UAG_CACHE loads its tokenizer from a pickle the second time, with
     the same encodings, decodings and byte table; an edited tokenizer is rebuilt; a directory
     outside the cache is never written to."""
-    from uag.decoding.bridge import token_bytes_table
     from uag.runtime import tokcache
+    from uag.runtime.tokcache import token_bytes_table
 
     monkeypatch.setenv("UAG_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("UAG_TOKENIZER_CACHE", raising=False)

@@ -11,9 +11,9 @@ import pytest
 from tests.tiny import cross_pair
 from uag.cli import main
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.profile import LatencyProfile
 from uag.errors import UagError
 from uag.harness import calibration
-from uag.harness.latency import LatencyProfile
 from uag.harness.prompts import Prompt
 
 REPEATING = [

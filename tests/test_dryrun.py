@@ -15,8 +15,8 @@ from tests.test_controller import COST, _export
 from tests.toy import toy_pair
 from uag.api import encode_prompt, render_prompt
 from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
+from uag.decoding.profile import LatencyProfile
 from uag.harness import dryrun
-from uag.harness.latency import LatencyProfile
 
 PROMPTS = ("def add(a, b):\n", "the cat sat on", "print('hi')\r\nfor i in range(10):\n\t")
 ROUND_FIELDS = ("drafted", "candidates", "accepted_candidates", "emitted", "accepted_drafts")

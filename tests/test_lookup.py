@@ -209,8 +209,8 @@ def test_exact_replay_copies_the_same_rounds():
     reproduces the loop's rounds with lookup too: copied, drafted, skipped, one by one."""
     from tests.test_dryrun import ROUND_FIELDS, _ids
     from tests.toy import toy_pair
+    from uag.decoding.profile import LatencyProfile
     from uag.harness import dryrun
-    from uag.harness.latency import LatencyProfile
 
     pair = toy_pair(noise=0.3)
     profile = LatencyProfile(device="cpu:test", draft_s=0.01, verify_s=(0.05, 0.06))

@@ -237,8 +237,8 @@ def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
 
     from controllers.learned import LearnedPolicy
     from uag.api import encode_prompt, render_prompt
+    from uag.decoding.profile import LatencyProfile
     from uag.harness import dryrun
-    from uag.harness.latency import LatencyProfile
 
     shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
     profile = LatencyProfile(device="cpu:test", draft_s=0.005, verify_s=[0.016, 0.017])

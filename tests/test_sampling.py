@@ -13,7 +13,6 @@ from scipy.stats import chisquare
 
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from uag.api import encode_prompt
-from uag.decoding.bridge import token_bytes_table
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.sampling import (
     PointQ,
@@ -26,6 +25,7 @@ from uag.decoding.sampling import (
 )
 from uag.decoding.speculative import LoopOutput
 from uag.errors import UagError
+from uag.runtime.tokcache import token_bytes_table
 
 from .tiny import cross_pair, same_tokenizer_pair
 from .toy import toy_pair

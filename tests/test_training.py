@@ -17,8 +17,8 @@ from training.data import load_runs
 from training.train import TrainConfig, train
 from uag.cli import main
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
+from uag.decoding.profile import LatencyProfile
 from uag.errors import UagError
-from uag.harness.latency import LatencyProfile
 
 
 def _iterations(accepted, drafted, target_tokens) -> replay.Iterations:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from uag.api import Pair, make_pair
-from uag.decoding.bridge import token_bytes_table
 from uag.runtime.models import wrap_model
+from uag.runtime.tokcache import token_bytes_table
 
 from .tiny import noisy_copy, tiny_gemma
 

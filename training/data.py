@@ -5,6 +5,7 @@ runtime can replay without importing it."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from uag.decoding.features import to_gate_rows
+from uag.decoding.profile import LatencyProfile
 from uag.errors import UagError
-from uag.harness.latency import LatencyProfile
 
 ITERATION_KEYS = ("prompt_id", "iteration")
 
@@ -93,9 +94,18 @@ SHOULD_MATCH = (
 latencies of another device): mixed only with ``allow_mixed``."""
 
 
-def _metas(run: Path) -> list[dict[str, Any]]:
-    from uag.harness.collect import read_meta
+def read_meta(path: Path) -> dict[str, Any]:
+    """A run's ``meta*.json``, or one clear error when it is not one."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UagError(f"{path} is not a readable collect meta file ({err})") from None
+    if not isinstance(meta, dict):
+        raise UagError(f"{path} is not a collect meta file (expected a JSON object)")
+    return meta
 
+
+def _metas(run: Path) -> list[dict[str, Any]]:
     files = sorted(run.glob("meta*.json"))
     if not files:
         raise UagError(f"{run} holds no meta.json: is it a uag collect output directory?")

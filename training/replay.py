@@ -27,7 +27,7 @@ import numpy as np
 
 from controllers.cost import CostRule, CostState
 from training.data import Collected
-from uag.harness.latency import LatencyProfile
+from uag.decoding.profile import LatencyProfile
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ assert out.token_ids == ref.token_ids
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from controllers.rules import StaticPolicy
 from uag.decoding.bridge import Bridge
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import StopPolicy
@@ -34,12 +36,10 @@ from uag.decoding.speculative import (
 )
 from uag.errors import UagError
 from uag.kernels.choice import (
-    accelerate_target,
-    is_row_invariant,
     quantize_int8,
     resolve_kernels,
-    swap_linears,
 )
+from uag.runtime import prepared
 from uag.runtime.draft_vocab import check_size
 from uag.runtime.models import (
     DEFAULT_ASSISTANT,
@@ -50,7 +50,7 @@ from uag.runtime.models import (
     resolve_device,
     resolve_dtype,
 )
-from uag.runtime.runner import CachedLM
+from uag.runtime.runner import CachedLM, assistant_lm_for, target_lm_for
 
 
 @dataclass
@@ -219,8 +219,6 @@ def _prepared_pair(
     """The pair from prepared files (``uag.runtime.prepared``: built on the first start), or None where
     either model cannot be prepared. Its ``LoadedModel.model`` is None: no Transformers model
     is loaded."""
-    from uag.runtime import prepared
-
     tgt = prepared.load(target, role="target")
     if tgt is None:
         return None
@@ -265,32 +263,6 @@ def make_pair(
         kernels=mode,
         draft_vocab=draft_vocab,
     )
-
-
-def target_lm_for(model: Any, tokenizer: Any, mode: str) -> CachedLM:
-    """The target on ``mode``'s kernels (linears swapped in place, the fast greedy head, the
-    screened head calibrated), knowing whether its rows are count-invariant: what
-    ``make_pair`` and ``uag.runtime.prepared`` both run."""
-    from uag.kernels.screened import ScreenedHead, calibrate
-
-    fast_head = accelerate_target(model, mode) if mode in ("native", "onednn") else None
-    lm = CachedLM(model, greedy_head=True, fast_head=fast_head)
-    if isinstance(fast_head, ScreenedHead):  # only speed depends on the channels it picks
-        calibrate(lm, tokenizer, fast_head)
-    lm.row_invariant = fast_head is not None and is_row_invariant(
-        model, rowwise_attention=lm.lean is not None
-    )
-    return lm
-
-
-def assistant_lm_for(model: Any, mode: str) -> CachedLM:
-    """The assistant on ``mode``'s kernels: a float32 CPU model's linears, its head included,
-    are swapped in place (an int8 one has no fp32 linears left)."""
-    param = next(model.parameters(), None)
-    fp32_cpu = param is None or (param.device.type == "cpu" and param.dtype == torch.float32)
-    if mode in ("native", "onednn") and fp32_cpu:
-        swap_linears(model, mode, head=True)
-    return CachedLM(model)
 
 
 def _pair(
@@ -385,10 +357,6 @@ def generate(
     if max_new_tokens < 1:
         raise UagError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if policy == "default":
-        # Imported here: controllers.rules imports uag.errors, so a module-level import would
-        # make `from controllers import ...` before `import uag` circular.
-        from controllers.rules import StaticPolicy
-
         policy = StaticPolicy(k=3)
     if isinstance(policy, str):
         raise UagError(f"policy must be a StopPolicy or None, got the string {policy!r}")
@@ -472,8 +440,6 @@ class _Streamer:
     """Turns emitted target ids into text callbacks, holding back partial UTF-8 characters."""
 
     def __init__(self, pair: Pair, on_text: Callable[[str], None]) -> None:
-        import codecs
-
         self.table = pair.bridge.target.table
         tok = pair.target.tokenizer
         # The same tokens decode(skip_special_tokens=True) drops: every added token marked special.

@@ -17,10 +17,7 @@ This module knows nothing of models.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,29 +25,14 @@ from typing import Any
 import numpy as np
 
 from uag.errors import UagError
+from uag.runtime.tokcache import token_bytes_table
 
 LOOKBEHIND_TOKENS = 10
 """Tokens of context re-encoded with new text so token boundaries line up (Transformers uses 10)."""
 
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
 # A probe string covering what breaks bridges: code indentation, CRLF, tabs, runs of spaces,
 # digits, accents (precomposed and combining), emoji, CJK.
 _PROBE = "def f(x):\r\n\tif x:\n        return 12345678901234 + x  # café cafe\u0301 😀 你好世界 ÅΩ"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte ↔ printable-character map used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
-    bs += list(range(0xAE, 0xFF + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def complete_utf8_prefix(data: bytes) -> int:
@@ -196,44 +178,6 @@ class TokenText:
                 f"tokenizer {name!r} is not supported by the byte bridge (its tokens' bytes do "
                 "not concatenate back to the encoded text; it may normalise text)"
             )
-
-
-def token_bytes_table(tokenizer: Any, vocab_size: int) -> list[bytes]:
-    """The bytes each token id stands for (special tokens: their literal text).
-
-    Handles byte-level BPE (GPT-2, SmolLM2, Llama 3) and SentencePiece with byte fallback
-    (Gemma, Llama 2). Ids past the tokenizer's vocabulary (padding rows of an embedding
-    matrix) map to empty bytes. The table is kept on the tokenizer (``uag.runtime.tokcache`` pickles it
-    with converted models' tokenizers), and reused while the vocabulary's length is unchanged.
-    """
-    n = max(len(tokenizer), vocab_size)
-    cached = getattr(tokenizer, "_uag_bytes_table", None)  # uag.runtime.tokcache.TABLE_ATTR
-    if cached is not None and len(cached) == len(tokenizer):
-        return [*cached, *(b"" for _ in range(n - len(cached)))]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = json.loads(backend.decoder.__getstate__()) if backend and backend.decoder else {}
-    byte_level = "ByteLevel" in json.dumps(decoder)
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    unmap = {ch: b for b, ch in _bytes_to_unicode().items()}
-    table: list[bytes] = []
-    for i, piece in enumerate(pieces):
-        if piece is None:
-            table.append(b"")
-        elif i in added:
-            table.append(piece.encode("utf-8"))
-        elif byte_level:
-            try:
-                table.append(bytes(unmap[ch] for ch in piece))
-            except KeyError:
-                table.append(piece.encode("utf-8"))
-        else:
-            m = _BYTE_FALLBACK.fullmatch(piece)
-            table.append(bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode())
-    with contextlib.suppress(AttributeError, TypeError):  # kept for the next bridge over it
-        tokenizer._uag_bytes_table = list(table)
-    table.extend(b"" for _ in range(n - len(table)))
-    return table
 
 
 @dataclass

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.profile import LatencyProfile
 from uag.errors import UagError
 from uag.harness.jobs import RunConfig
-from uag.harness.latency import LatencyProfile
-from uag.runtime.models import cache_root
+from uag.paths import cache_root
 
 DEFAULT_PROMPTS = "humaneval:train+mixed:train"
 """What ``uag calibrate`` replays unless told otherwise: training prompts (bench's are test)."""

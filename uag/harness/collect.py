@@ -26,6 +26,7 @@ import numpy as np
 
 from controllers.explore import ExplorePolicy, RoundLog
 from controllers.rules import StaticPolicy
+from training.data import read_meta
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
@@ -264,17 +265,6 @@ def run_settings(cfg: CollectConfig) -> dict[str, Any]:
 def prompt_seed(seed: int, prompt_id: str) -> int:
     """A prompt's sampling seed: the same whichever shard or resume reaches it."""
     return (seed + int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16)) % 2**63
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """A run's ``meta*.json``, or one clear error when it is not one."""
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UagError(f"{path} is not a readable collect meta file ({err})") from None
-    if not isinstance(meta, dict):
-        raise UagError(f"{path} is not a collect meta file (expected a JSON object)")
-    return meta
 
 
 def _prepare_out(cfg: CollectConfig, mine: list[Prompt], *, clear_all: bool) -> list[Prompt]:

@@ -25,8 +25,8 @@ import torch
 
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import StopPolicy
+from uag.decoding.profile import LatencyProfile
 from uag.decoding.speculative import IterationRecord, speculative_generate, target_only_loop
-from uag.harness.latency import LatencyProfile
 from uag.runtime.runner import CachedLM
 
 

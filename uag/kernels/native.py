@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uag.paths import cache_root
+
 SOURCES = (
     Path(__file__).parent / "csrc" / "skinny.c",  # the matrix products
     Path(__file__).parent / "csrc" / "layer.c",  # a whole decoder layer around them
@@ -165,8 +167,6 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return None, f"needs AVX2 (torch reports {capability})"
-    from uag.runtime.models import cache_root
-
     try:
         lib = _load(_build(cache_root() / "kernels"))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from uag.errors import UagError
+from uag.kernels.native import NativeLinear
 
 DEFAULT_DRAFT_VOCAB = 16384
 """The draft vocabulary where none is asked for and the head can be cut (``draft_head``)."""
@@ -55,8 +56,6 @@ def draft_head(
     vocabulary; 0: the whole vocabulary; N: the first N ids rounded up to ``GRANULE`` (an error
     where ``head`` is a kind that cannot be cut: oneDNN's packed weight, fbgemm or int8pack).
     """
-    from uag.kernels.native import NativeLinear
-
     check_size(requested)
     size = DEFAULT_DRAFT_VOCAB if requested is None else requested
     size = -(-size // GRANULE) * GRANULE

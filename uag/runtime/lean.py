@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from uag.kernels.choice import ROWWISE_MAX_ROWS
+from uag.kernels.layer import NativeLayers
+from uag.kernels.native import NativeLinear, fuse
 
 LEAN_MODEL_TYPES = ("llama", "gemma3_text")
 """Decoder families whose layer structure ``LeanBody`` reproduces exactly."""
@@ -221,8 +223,6 @@ class _Layer:
     """One decoder layer's pieces, with q/k/v and gate/up fused where the kernels allow."""
 
     def __init__(self, layer: Any, *, gemma: bool) -> None:
-        from uag.kernels.native import fuse
-
         attn, mlp = layer.self_attn, layer.mlp
         self.norms = [
             _Norm(getattr(layer, name), gemma=gemma)
@@ -287,8 +287,6 @@ class LeanBody:
         self.attach_native()
 
     def attach_native(self) -> None:
-        from uag.kernels.layer import NativeLayers
-
         self.native = NativeLayers.for_body(self)
         """Each layer as one ``layer.c`` call (forwards of ≤ 16 rows), where the kernels allow."""
         # kept across a re-attach (after a move into huge pages), where the native layers exist
@@ -479,8 +477,6 @@ def _integer(linears: list[Any]) -> None:
     """The layer's exact block storage onto ``exact.c`` where it runs fast
     (``NativeLinear.to_integer``), before fusing: a verify's extra rows then cost integer
     products, not fp32 multiply-adds, and every row still computes alone."""
-    from uag.kernels.native import NativeLinear
-
     for linear in linears:
         if isinstance(linear, NativeLinear):
             linear.to_integer()
@@ -513,8 +509,6 @@ def _exact_rows(model: Any) -> Any:
     """A native, exact copy of the embedding's rows when the model runs on native kernels: the
     screened head's blocks if the embedding is tied to the head, else the embedding's own
     blocks (GGUF's Q8_0: a quarter of the fp32 bytes); None keeps the fp32 weight."""
-    from uag.kernels.native import NativeLinear
-
     if not any(isinstance(m, NativeLinear) for m in model.modules()):
         return None
     weight = model.base_model.embed_tokens.weight

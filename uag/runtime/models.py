@@ -16,8 +16,8 @@ cache is written by rebuilding the model from its config and loading the de-quan
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from uag.errors import UagError
+from uag.paths import cache_root
+from uag.runtime.tokcache import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,6 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def cache_root() -> Path:
-    """Where converted GGUF checkpoints live (``$UAG_CACHE`` or ``~/.cache/uag``)."""
-    return Path(os.environ.get("UAG_CACHE", Path.home() / ".cache" / "uag")).expanduser()
-
-
 def resolve_device(device: str) -> torch.device:
     """``auto`` picks CUDA when present; asking for CUDA without one is an error, not a fallback."""
     if device == "auto":
@@ -132,8 +129,6 @@ def embedded_gguf_path(entry: EmbeddedModel) -> Path:
     if direct.exists():
         return direct
     # The Gemma package ships its GGUF as chunks in sibling packages and assembles it on request.
-    import importlib
-
     module = importlib.import_module(entry.package)
     if not hasattr(module, "assemble"):
         raise UagError(f"package {entry.package} holds no {entry.gguf_name}")
@@ -244,8 +239,6 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> Loaded
     """Load one model reference for inference (weights cached after the first GGUF conversion)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from uag.runtime.tokcache import load_tokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)

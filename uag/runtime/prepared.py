@@ -37,9 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from uag.runtime.lean import LeanBody
-from uag.runtime.models import LoadedModel, cache_root, checkpoint_dir
-from uag.runtime.runner import CachedLM
+from uag.kernels import hugepages
+from uag.kernels.choice import quantize_int8
+from uag.kernels.native import integer_products
+from uag.kernels.screened import ScreenedHead
+from uag.paths import cache_root
+from uag.runtime.lean import LeanBody, lean_body_for
+from uag.runtime.models import LoadedModel, checkpoint_dir, load_model
+from uag.runtime.runner import CachedLM, assistant_lm_for, streamed_slots, target_lm_for
+from uag.runtime.tokcache import load_tokenizer
 
 FORMAT = 1
 """Bumped when what a prepared file holds changes in a way the source hash would not show."""
@@ -94,7 +100,6 @@ def _source_digest() -> str:
 
 
 def _key(directory: Path, role: str) -> str:
-    from uag.kernels.native import integer_products
 
     digest = hashlib.sha256()
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
@@ -117,8 +122,6 @@ def load(
     """``ref`` prepared for ``role``: from its file when there is one, else built (loading the
     Transformers model once; ``log`` says so, default stderr) and saved. None where ``ref``
     cannot be prepared (see the module doc): the caller then loads it the usual way."""
-    from uag.runtime.tokcache import load_tokenizer
-
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}: one of {ROLES}")
     source = checkpoint_dir(ref)
@@ -165,9 +168,6 @@ def _read(path: Path) -> Prepared | None:
     except Exception:  # a damaged or foreign entry: build it again  # noqa: BLE001
         found = None
     if isinstance(found, Prepared):
-        from uag.kernels import hugepages
-        from uag.runtime.runner import streamed_slots
-
         found.moving = hugepages.Move(streamed_slots(found.lean, found.head, found.fast_head))
         return found
     path.unlink(missing_ok=True)
@@ -200,12 +200,6 @@ def _write(path: Path, prepared: Prepared | None) -> None:
 def _build(ref: str, role: str, tokenizer: Any) -> Prepared | None:
     """Load the Transformers model, convert it as ``uag.api.make_pair`` does, keep the lean
     parts. None where the model has no lean forward or its head no compact exact form."""
-    from uag.api import assistant_lm_for, target_lm_for
-    from uag.kernels.choice import quantize_int8
-    from uag.kernels.screened import ScreenedHead
-    from uag.runtime.lean import lean_body_for
-    from uag.runtime.models import load_model
-
     loaded = load_model(ref, device="cpu", dtype="float32")
     model = loaded.model
     if lean_body_for(model) is None:

@@ -17,6 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from uag.kernels import hugepages
+from uag.kernels.choice import accelerate_target, is_row_invariant, swap_linears
+from uag.kernels.native import draft_stats
+from uag.kernels.screened import ScreenedHead, calibrate
+from uag.runtime.draft_vocab import draft_head
 from uag.runtime.lean import LeanBody, lean_body_for
 
 
@@ -120,8 +125,6 @@ class CachedLM:
     def move_to_huge_pages(self) -> int:
         """Move ``streamed()`` into huge pages (``uag.kernels.hugepages``), or finish the move already
         under way (``moving``); once per model. Returns the bytes moved."""
-        from uag.kernels import hugepages
-
         if self.in_huge_pages:
             return 0
         moved = (self.moving or hugepages.Move(self.streamed())).finish()
@@ -148,6 +151,7 @@ class CachedLM:
         if self.lean is not None:
             self.cache = self.lean.new_cache()
             return
+        # Transformers takes seconds to import; a lean body (every prepared model) never needs it.
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
@@ -206,8 +210,6 @@ class CachedLM:
             self._full = self._full_head()
             streamed = getattr(self._full, "streamed", None)
             if self.in_huge_pages and streamed is not None:  # sampling streams it every step
-                from uag.kernels import hugepages
-
                 hugepages.move(streamed())
         out = self._full(hidden).float()
         if self.softcap:
@@ -215,8 +217,6 @@ class CachedLM:
         return out
 
     def _full_head(self) -> nn.Module:
-        from uag.kernels.screened import ScreenedHead
-
         fast = self._greedy.fast if self._greedy is not None else None
         if isinstance(fast, ScreenedHead):
             return fast.full_head()
@@ -226,8 +226,6 @@ class CachedLM:
         """Draft from the first ids only (``uag.runtime.draft_vocab``; None: the default where the head
         can be cut; 0: every id); returns the size in effect. After ``move_to_huge_pages``:
         the draft head is a view of the head's memory."""
-        from uag.runtime.draft_vocab import draft_head
-
         self.draft_head, self.draft_vocab = draft_head(self.head, requested, vocab=self.vocab_size)
         return self.draft_vocab
 
@@ -239,8 +237,6 @@ class CachedLM:
         ``(id, top probability, second probability, entropy)``, over the draft vocabulary
         (``set_draft_vocab``): what a drafted token's features read. ``among``: only these ids
         (each under ``draft_limit``), the statistics over them alone (token healing)."""
-        from uag.kernels.native import draft_stats
-
         head = self.draft_head if self.draft_head is not None else self.head
         out = head(hidden[-1:]).float()
         if self.softcap:
@@ -323,3 +319,27 @@ class HeadOutput:
         """Top-1 minus top-2 logit at ``row``: how far the argmax is from flipping."""
         top = torch.topk(self.logits[row].float(), 2).values
         return float(top[0] - top[1])
+
+
+def target_lm_for(model: Any, tokenizer: Any, mode: str) -> CachedLM:
+    """The target on ``mode``'s kernels (linears swapped in place, the fast greedy head, the
+    screened head calibrated), knowing whether its rows are count-invariant: what
+    ``uag.api.make_pair`` and ``uag.runtime.prepared`` both run."""
+    fast_head = accelerate_target(model, mode) if mode in ("native", "onednn") else None
+    lm = CachedLM(model, greedy_head=True, fast_head=fast_head)
+    if isinstance(fast_head, ScreenedHead):  # only speed depends on the channels it picks
+        calibrate(lm, tokenizer, fast_head)
+    lm.row_invariant = fast_head is not None and is_row_invariant(
+        model, rowwise_attention=lm.lean is not None
+    )
+    return lm
+
+
+def assistant_lm_for(model: Any, mode: str) -> CachedLM:
+    """The assistant on ``mode``'s kernels: a float32 CPU model's linears, its head included,
+    are swapped in place (an int8 one has no fp32 linears left)."""
+    param = next(model.parameters(), None)
+    fp32_cpu = param is None or (param.device.type == "cpu" and param.dtype == torch.float32)
+    if mode in ("native", "onednn") and fp32_cpu:
+        swap_linears(model, mode, head=True)
+    return CachedLM(model)
