@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from uag.kernels.choice import ROWWISE_MAX_ROWS
+from uag.kernels.formats import Format
 from uag.kernels.native import NativeLinear
 
 
@@ -30,7 +31,7 @@ class _Linear(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("in_", ctypes.c_int64),
         ("out", ctypes.c_int64),
-        ("kind", ctypes.c_int64),
+        ("format", ctypes.c_int64),
         ("block", ctypes.c_int64),
         ("affine", ctypes.c_int64),
     ]
@@ -73,22 +74,12 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
         return None
     return _Linear(
         layer.weight_ilv.data_ptr(),
-        layer.block_scales.data_ptr()
-        if layer.blocked or layer.q4
-        else layer.scales.data_ptr()
-        if layer.int8
-        else None,
-        layer.wsum.data_ptr() if layer.dynamic and not layer.q4 else None,
+        layer.params_ptr(),
+        layer.wsum.data_ptr() if layer.format is Format.DYNAMIC_INT8 else None,
         None if layer.bias_padded is None else layer.bias_padded.data_ptr(),
         layer.in_features,
         layer.out_features,
-        6
-        if layer.integer
-        else 5
-        if layer.q4
-        else {"block_int8": 3, "block_affine": 4}.get(
-            layer.exact_format, 2 if layer.dynamic else int(layer.int8)
-        ),
+        int(layer.format),
         layer.x8_block,
         int(layer.x8_affine),
     )

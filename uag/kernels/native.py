@@ -39,39 +39,50 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uag.kernels.formats import (
+    AFFINE_K,
+    BLOCK_K,
+    BLOCK_ROWS,
+    CSRC,
+    EXACT_BLOCKS,
+    FORMATS,
+    K_STEP,
+    Q8_K_STEP,
+    X8_GROUP,
+    X8_QUAD,
+    Format,
+    block_parameters,
+)
 from uag.paths import cache_root
 
 SOURCES = (
-    Path(__file__).parent / "csrc" / "skinny.c",  # the matrix products
-    Path(__file__).parent / "csrc" / "layer.c",  # a whole decoder layer around them
-    Path(__file__).parent / "csrc" / "screen.c",  # the greedy head's candidates, draft stats
-    Path(__file__).parent / "csrc" / "q8.c",  # int8 weights x int8 activations (approximate)
-    Path(__file__).parent / "csrc" / "q4.c",  # 4-bit weights x int8 activations (approximate)
-    Path(__file__).parent / "csrc" / "exact.c",  # block weights x activations as exact integers
+    CSRC / "skinny.c",  # the matrix products
+    CSRC / "layer.c",  # a whole decoder layer around them
+    CSRC / "screen.c",  # the greedy head's candidates, draft stats
+    CSRC / "q8.c",  # int8 weights x int8 activations (approximate)
+    CSRC / "q4.c",  # 4-bit weights x int8 activations (approximate)
+    CSRC / "exact.c",  # block weights x activations as exact integers
 )
-HEADERS = (Path(__file__).parent / "csrc" / "simd.h", Path(__file__).parent / "csrc" / "vexp.h")
+HEADERS = tuple(CSRC / name for name in ("kernels.h", "formats.h", "simd.h", "vexp.h"))
 """Included by the sources: part of the build's cache key."""
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16
-"""The kernels' layout: blocks of 8 outputs, their weights side by side for every input
-(``skinny.c``) or for every 4 consecutive inputs (``q8.c``); block-scaled int8 has one scale
-per ``BLOCK_K`` inputs of each output, block-affine uint8 one scale and one base per
-``AFFINE_K``."""
+FLAGS = (
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+    "-Werror=missing-prototypes",  # every exported function is in kernels.h, so it is bound
+)  # fmt: skip
 BLOCK_MULTIPLIERS = (127, 16, 8)
 """Largest |integer| of a block in the formats ``block_int8`` recognises: GGUF's Q8_0 (the
 largest weight of a block is 127 steps), Q5_0 (−16 steps) and Q4_0 (−8 steps)."""
-X8_GROUP, X8_QUAD = 16, 4
-"""``exact.c``'s layout: 16 outputs' 4 consecutive weights side by side, ``[N/16][K/4][16][4]``,
-block parameters ``[N/16][K/block][1 or 2][16]`` (scales, then bases for the affine format)."""
 CHUNK_ROWS = 16384
 """Output rows converted at a time when building a layer (a multiple of ``BLOCK_ROWS``)."""
 
@@ -112,48 +123,53 @@ def _build(cache: Path) -> Path:
     return target
 
 
+CType: TypeAlias = "type[ctypes._SimpleCData[Any]] | None"
+"""A ctypes argument or result type (None: ``void``)."""
+_C_TYPES: dict[str, CType] = {
+    "void": None,
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+"""``kernels.h``'s value types; any pointer binds as ``c_void_p`` (a tensor's ``data_ptr()``,
+None, or a ctypes object by reference)."""
+
+
+def _ctype(declaration: str) -> CType:
+    """The ctypes type of a C type such as ``const float *`` or ``int64_t``."""
+    if "*" in declaration:
+        return ctypes.c_void_p
+    words = [w for w in declaration.split() if w != "const"]
+    if len(words) != 1 or words[0] not in _C_TYPES:
+        raise ValueError(f"kernels.h: no ctypes type for {declaration.strip()!r}")
+    return _C_TYPES[words[0]]
+
+
+def signatures(header: Path = CSRC / "kernels.h") -> dict[str, tuple[CType, list[CType]]]:
+    """``{name: (restype, argtypes)}`` of every function ``kernels.h`` declares: the kernels'
+    signatures are written once, there (the compiler checks each definition against it)."""
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", header.read_text(), flags=re.S)
+    text = re.sub(r"^\s*#.*$", " ", text, flags=re.M)
+    found = {}
+    for statement in text.split(";"):
+        if "(" not in statement:
+            continue  # a forward declaration of a struct
+        match = re.fullmatch(r"\s*([\w\s*]+?)\s*\b(uag_\w+)\s*\(([^()]*)\)\s*", statement)
+        if match is None:
+            raise ValueError(f"kernels.h: not a prototype this reader knows: {statement.strip()!r}")
+        params = [] if match[3].strip() in ("", "void") else match[3].split(",")
+        argtypes = [_ctype(re.sub(r"\w+\s*$", "", param)) for param in params]
+        found[match[2]] = (_ctype(match[1]), argtypes)
+    return found
+
+
 def _load(path: Path) -> ctypes.CDLL:
+    """The built library with every ``kernels.h`` function's ctypes signature set."""
     lib = ctypes.CDLL(str(path))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.uag_linear_f32, lib.uag_linear_i8, lib.uag_linear_b8, lib.uag_linear_a8):
-        fn.restype = None
-        fn.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
-    lib.uag_linear_q4.restype = None
-    lib.uag_linear_q4.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64]
-    lib.uag_symmetric_int8.restype = None
-    lib.uag_symmetric_int8.argtypes = [p, i64, i64, p, p]
-    lib.uag_q4_grid.restype = i64
-    lib.uag_q4_grid.argtypes = [p, i64, i64, ctypes.c_float, p, p]
-    lib.uag_set_vnni.restype = i64
-    lib.uag_set_vnni.argtypes = [i64]
-    lib.uag_set_avx512.restype = i64
-    lib.uag_set_avx512.argtypes = [i64]
-    lib.uag_set_avx512vnni.restype = i64
-    lib.uag_set_avx512vnni.argtypes = [i64]
-    lib.uag_set_amx.restype = i64
-    lib.uag_set_amx.argtypes = [i64]
-    lib.uag_linear_q8.restype = None
-    lib.uag_linear_q8.argtypes = [p, i64, i64, i64, p, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, i64, p]  # fmt: skip
-    lib.uag_decoder_layer.restype = None
-    lib.uag_decoder_layer.argtypes = [p, p, i64, i64, p, p, i64, p, p, p]
-    lib.uag_block_int8.restype = i64
-    lib.uag_block_int8.argtypes = [p, i64, i64, p, i64, p, p]
-    lib.uag_block_affine.restype = i64
-    lib.uag_block_affine.argtypes = [p, i64, i64, p, p]
-    lib.uag_screen.restype = i64
-    lib.uag_screen.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, ctypes.c_float, p, p, i64]
-    lib.uag_rms_norm_rows.restype = None
-    lib.uag_rms_norm_rows.argtypes = [p, i64, i64, p, ctypes.c_float, p]
-    lib.uag_exact_candidates.restype = i64
-    lib.uag_exact_candidates.argtypes = [i64, p, p, i64, p, i64, i64, p, p, p, i64, p, i64, p]
-    lib.uag_gather_rows.restype = None
-    lib.uag_gather_rows.argtypes = [i64, p, p, i64, p, i64, ctypes.c_float, p]
-    lib.uag_linear_x8.restype = None
-    lib.uag_linear_x8.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, p, p, i64]
-    lib.uag_x8_available.restype = i64
-    lib.uag_x8_available.argtypes = []
-    lib.uag_draft_stats.restype = i64
-    lib.uag_draft_stats.argtypes = [p, i64, p]
+    for name, (restype, argtypes) in signatures().items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
@@ -169,7 +185,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"needs AVX2 (torch reports {capability})"
     try:
         lib = _load(_build(cache_root() / "kernels"))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
         return None, str(err)
     problem = _self_test(lib)
     return (None, problem) if problem else (lib, None)
@@ -448,20 +464,23 @@ def symmetric_int8(
 
 
 class NativeLinear(nn.Module):
-    """A linear layer on the native kernels: fp32 or weight-only int8 (``skinny.c``), or int8
-    weights and activations (``dynamic``, ``q8.c``: approximate, for the assistant).
+    """A linear layer on the native kernels, its weight held in one storage ``format``
+    (``uag.kernels.formats``): fp32 or weight-only int8 (``skinny.c``), exact block forms of the
+    fp32 weight (``skinny.c``, ``exact.c``), or int8 / 4-bit weights times int8 activations
+    (``dynamic``: ``q8.c``, ``q4.c``; approximate, for the assistant).
 
-    Weights are int8 with one scale per output row. The weight is kept only in the kernel's
-    interleaved layout (the caller releases the original's pages).
+    The constructor's flags say what the caller allows; ``format`` is what the weight's values
+    made of it. The weight is kept only in the kernel's layout (the caller releases the
+    original's pages).
     """
 
-    integer = False
-    """Exact block storage moved to ``exact.c``'s layout (``to_integer``): the product runs
-    through exact integers, not fp32 multiply-adds."""
+    origin = Format.FP32
+    """``Format.EXACT``: the exact block form its integers came from (``BLOCK_INT8`` or
+    ``BLOCK_AFFINE``)."""
     x8_block = 0
-    """``exact.c``: inputs per block (32 or 16)."""
+    """``Format.EXACT``: inputs per block (32 or 16)."""
     x8_affine = False
-    """``exact.c``: each block has a base besides its scale."""
+    """``Format.EXACT``: each block has a base besides its scale."""
 
     def __init__(
         self,
@@ -474,38 +493,37 @@ class NativeLinear(nn.Module):
         lib: ctypes.CDLL | None = None,
     ) -> None:
         super().__init__()
-        self.lib = lib if lib is not None else _library()[0]
-        if self.lib is None:
+        lib = lib if lib is not None else _library()[0]
+        if lib is None:
             raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
+        self.lib: ctypes.CDLL | None = lib
         if dynamic and not int8:
             raise ValueError("dynamic (int8 activations) needs int8 weights")
         if q4 and not dynamic:
             raise ValueError("q4 (4-bit weights) runs with int8 activations: needs dynamic")
         weight = linear.weight.detach()
-        self.q4 = False
-        """Held as 4-bit blocks (``q4_grid``, ``q4.c``): the weights lie on such a grid."""
+        self.format = Format.FP32
+        """How the weight is stored (``uag.kernels.formats.FORMATS[format]``)."""
         self.block_scales: torch.Tensor = torch.empty(0)
-        """Exact block storage's parameters (``block_int8``: scales ``[N/8, K/32, 8]``;
-        ``block_affine``: scales and bases ``[N/8, K/16, 2, 8]``); empty: none."""
-        self.exact_format = ""
-        """``block_int8``, ``block_affine`` (weights held in blocks equal to the fp32 ones:
-        bitwise fp32 results) or empty (as ``int8`` / ``dynamic`` say)."""
+        """The block parameters of exact block storage (``block_int8``: scales
+        ``[N/8, K/32, 8]``; ``block_affine``: scales and bases ``[N/8, K/16, 2, 8]``), of
+        ``Format.Q4`` and ``Format.EXACT``; empty: none."""
         if exact_blocks and not int8:
-            for name, find in (("block_int8", block_int8), ("block_affine", block_affine)):
-                found = find(weight.float(), self.lib)
+            for fmt, find in ((Format.BLOCK_INT8, block_int8), (Format.BLOCK_AFFINE, block_affine)):
+                found = find(weight.float(), lib)
                 if found is not None:
-                    self._init_blocked(linear, *found, exact_format=name)
+                    self._init_blocked(linear, *found, fmt=fmt)
                     return
         if q4:
-            grid = q4_grid(weight.float(), lib=self.lib)
+            grid = q4_grid(weight.float(), lib=lib)
             if grid is not None:
                 self._init_q4(linear, *grid)
                 return
+        self.format = Format.DYNAMIC_INT8 if dynamic else Format.INT8 if int8 else Format.FP32
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.k_step = Q8_K_STEP if dynamic else K_STEP
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
         self.padded_in = _ceil(self.in_features, self.k_step)
-        self.int8, self.dynamic = int8, dynamic
         self.weight_ilv: torch.Tensor
         self.scales: torch.Tensor
         self.wsum: torch.Tensor
@@ -522,7 +540,7 @@ class NativeLinear(nn.Module):
             part = weight[start : start + CHUNK_ROWS].float()
             scales = torch.ones(part.shape[0])
             if int8:
-                part, scales = symmetric_int8(part, self.lib)
+                part, scales = symmetric_int8(part, lib)
             ilv = interleave(part, self.k_step)
             first = start // BLOCK_ROWS
             self.weight_ilv[first : first + ilv.shape[0]] = ilv
@@ -535,24 +553,29 @@ class NativeLinear(nn.Module):
             if bias is None
             else F.pad(bias.detach().float(), (0, self.padded_out - self.out_features))
         )
-        self._fn = self.lib.uag_linear_i8 if int8 else self.lib.uag_linear_f32
+        self._bind(lib)
         self.invariance = "invariant"
         """Row-count invariant by construction (``skinny.c``), checked at build time."""
 
+    def _bind(self, lib: ctypes.CDLL) -> None:
+        """Point at ``lib`` and at its product for this layer's format."""
+        self.lib = lib
+        self._fn = getattr(lib, FORMATS[self.format].kernel)
+
     def _init_blocked(
-        self, linear: nn.Linear, q: torch.Tensor, bs: torch.Tensor, *, exact_format: str
+        self, linear: nn.Linear, q: torch.Tensor, bs: torch.Tensor, *, fmt: Format
     ) -> None:
         """Store ``q · s`` or ``q · s + b`` (exactly the fp32 weight): the integers in the fp32
         layout, the block parameters beside."""
         assert self.lib is not None
-        self.exact_format = exact_format
+        self.format = fmt
         self.out_features, self.in_features = (int(d) for d in q.shape)
-        self.k_step, self.int8, self.dynamic = K_STEP, False, False
+        self.k_step = K_STEP
         self.padded_out = _ceil(self.out_features, BLOCK_ROWS)
         self.padded_in = self.in_features
         pad = self.padded_out - self.out_features
         self.register_buffer("weight_ilv", interleave(F.pad(q, (0, 0, 0, pad)), K_STEP))
-        if exact_format == "block_int8":
+        if fmt is Format.BLOCK_INT8:
             self.block_scales = interleave(F.pad(bs, (0, 0, 0, pad)), 1)[..., 0].contiguous()
         else:  # [N, K/16, 2] -> [N/8, K/16, 2, 8]
             padded = F.pad(bs, (0, 0, 0, 0, 0, pad))
@@ -563,17 +586,15 @@ class NativeLinear(nn.Module):
         self.register_buffer("wsum", torch.zeros(self.padded_out, dtype=torch.int32))
         bias = linear.bias
         self.bias_padded = None if bias is None else F.pad(bias.detach().float(), (0, pad))
-        self._fn = (
-            self.lib.uag_linear_b8 if exact_format == "block_int8" else self.lib.uag_linear_a8
-        )
+        self._bind(self.lib)
         self.invariance = "invariant"
 
     def _init_q4(self, linear: nn.Linear, packed: torch.Tensor, params: torch.Tensor) -> None:
         """Store the 4-bit blocks and their parameters (``q4.c``'s layout)."""
         assert self.lib is not None
-        self.q4, self.exact_format = True, ""
+        self.format = Format.Q4
         self.out_features, self.in_features = (int(d) for d in linear.weight.shape)
-        self.k_step, self.int8, self.dynamic = Q8_K_STEP, True, True
+        self.k_step = Q8_K_STEP
         self.padded_out, self.padded_in = self.out_features, self.in_features
         self.register_buffer("weight_ilv", packed)
         self.block_scales = params
@@ -581,7 +602,7 @@ class NativeLinear(nn.Module):
         self.register_buffer("wsum", torch.zeros(self.padded_out, dtype=torch.int32))
         bias = linear.bias
         self.bias_padded = None if bias is None else bias.detach().float().clone()
-        self._fn = self.lib.uag_linear_q4
+        self._bind(self.lib)
         self.invariance = "invariant"
 
     @classmethod
@@ -591,14 +612,14 @@ class NativeLinear(nn.Module):
         lib = _library()[0]
         if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None
-        for name, find in (("block_int8", block_int8), ("block_affine", block_affine)):
+        for fmt, find in ((Format.BLOCK_INT8, block_int8), (Format.BLOCK_AFFINE, block_affine)):
             found = find(weight, lib)
             if found is not None:
                 layer = cls.__new__(cls)
                 nn.Module.__init__(layer)
-                layer.lib, layer.q4 = lib, False
+                layer.lib = lib
                 part = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-                layer._init_blocked(part, *found, exact_format=name)
+                layer._init_blocked(part, *found, fmt=fmt)
                 return layer
         return None
 
@@ -614,70 +635,75 @@ class NativeLinear(nn.Module):
         lib = _library()[0]
         if lib is None:
             raise RuntimeError(f"native kernel unavailable: {native_unavailable()}")
-        self.lib = lib
-        self._fn = (
-            lib.uag_linear_q4
-            if self.q4
-            else lib.uag_linear_b8
-            if self.exact_format == "block_int8"
-            else lib.uag_linear_a8
-            if self.exact_format == "block_affine"
-            else lib.uag_linear_i8
-            if self.int8
-            else lib.uag_linear_f32
-        )
+        self._bind(lib)
+
+    # What the format implies, by the names the rest of uag reads:
+
+    @property
+    def q4(self) -> bool:
+        """Held as 4-bit blocks (``q4_grid``, ``q4.c``): the weights lie on such a grid."""
+        return self.format is Format.Q4
+
+    @property
+    def integer(self) -> bool:
+        """Exact block storage moved to ``exact.c``'s layout (``to_integer``): the product runs
+        through exact integers, not fp32 multiply-adds."""
+        return self.format is Format.EXACT
+
+    @property
+    def blocked(self) -> bool:
+        """Weights held in blocks equal to the fp32 ones (bitwise fp32 results, or on
+        ``exact.c`` closer still)."""
+        return self.format in EXACT_BLOCKS or self.format is Format.EXACT
+
+    @property
+    def exact_format(self) -> str:
+        """``block_int8``, ``block_affine`` (the exact block form the weights are held in, on
+        ``exact.c`` too) or empty."""
+        fmt = self.origin if self.format is Format.EXACT else self.format
+        return fmt.name.lower() if fmt in EXACT_BLOCKS else ""
 
     def rows(self, ids: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
         """Weight rows ``ids`` as fp32 ``[len(ids), in]``, exactly as the kernel multiplies them
         (an embedding lookup or the screened head's exact candidates, without an fp32 copy of
         the whole matrix), each value times ``scale`` in one fp32 multiply. In one C call
         (``skinny.c``), else torch: the same bits."""
-        if self.q4 or self.integer or (self.int8 and not self.blocked):
+        spec = FORMATS[self.format]
+        if spec.widen is None:
             raise ValueError(
                 "rows(): only fp32 and exact block storage in the fp32 layout hold the weights"
             )
         ids = ids.long()
-        fmt = {"block_int8": 2, "block_affine": 3}.get(self.exact_format, 0)
         if self.lib is not None and self.weight_ilv.device.type == "cpu":  # one C call
             ids = ids.contiguous()
             out = torch.empty(len(ids), self.in_features)
             self.lib.uag_gather_rows(
-                fmt, self.weight_ilv.data_ptr(),
-                self.block_scales.data_ptr() if fmt else None, self.in_features,
+                int(self.format), self.weight_ilv.data_ptr(),
+                self.block_scales.data_ptr() if spec.block else None, self.in_features,
                 ids.data_ptr(), len(ids), ctypes.c_float(scale), out.data_ptr(),
             )  # fmt: skip
             return out
         w = self.weight_ilv[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [n, steps, k_step]
         w = w.reshape(len(ids), -1)[:, : self.in_features].float()
-        if self.exact_format == "block_int8":
-            s = self.block_scales[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS]  # [n, K/32]
-            w = w * s.repeat_interleave(BLOCK_K, dim=1)
-        elif self.exact_format == "block_affine":
-            p = self.block_scales[ids // BLOCK_ROWS, :, :, ids % BLOCK_ROWS]  # [n, K/16, 2]
-            p = p.repeat_interleave(AFFINE_K, dim=1)
-            w = (w * p[..., 0]) + p[..., 1]
+        if spec.block:
+            p = block_parameters(self)[ids // BLOCK_ROWS, :, :, ids % BLOCK_ROWS]  # [n, K/b, P]
+            w = spec.widen(w, p.repeat_interleave(spec.block, dim=1))
         return w if scale == 1.0 else w * scale
 
     def columns(self, channels: torch.Tensor) -> torch.Tensor:
         """Weight columns ``channels`` as fp32 ``[out, len(channels)]``, exactly as ``rows``."""
-        if self.integer or (not self.blocked and (self.q4 or self.int8)):
+        spec = FORMATS[self.format]
+        if spec.widen is None:
             raise ValueError(
                 "columns(): only fp32 and exact block storage in the fp32 layout hold the weights"
             )
         c = channels.long()
         w = self.weight_ilv[:, c // self.k_step, :, c % self.k_step]  # [C, N/8, 8]
         w = w.permute(1, 0, 2).float()  # [N/8, C, 8]
-        if self.exact_format == "block_int8":
-            w = w * self.block_scales[:, c // BLOCK_K, :]
-        elif self.exact_format == "block_affine":
-            p = self.block_scales[:, c // AFFINE_K]  # [N/8, C, 2, 8]
-            w = (w * p[:, :, 0]) + p[:, :, 1]
+        if spec.block:
+            p = block_parameters(self)[:, c // spec.block]  # [N/8, C, P, 8]
+            w = spec.widen(w, p.transpose(2, 3))
         return w.permute(0, 2, 1).reshape(self.padded_out, len(c))[: self.out_features]
-
-    @property
-    def blocked(self) -> bool:
-        """Weights held in blocks equal to the fp32 ones (bitwise fp32 results)."""
-        return bool(self.exact_format)
 
     def to_integer(self) -> bool:
         """Move exact block storage to ``exact.c`` (exact integer products: a verify's extra
@@ -688,7 +714,9 @@ class NativeLinear(nn.Module):
         if layout is None:
             return False
         self.weight_ilv, self.block_scales, self.x8_block, self.x8_affine = layout
-        self.integer = True
+        self.origin, self.format = self.format, Format.EXACT
+        assert self.lib is not None
+        self._bind(self.lib)
         return True
 
     def integer_copy(self) -> NativeLinear | None:
@@ -701,7 +729,9 @@ class NativeLinear(nn.Module):
         twin = copy.copy(self)  # shares the small tensors; its own table of buffers:
         twin._buffers = dict(self._buffers)
         twin.weight_ilv, twin.block_scales, twin.x8_block, twin.x8_affine = layout
-        twin.integer = True
+        twin.origin, twin.format = self.format, Format.EXACT
+        assert self.lib is not None
+        twin._bind(self.lib)
         return twin
 
     def _integer_layout(self) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
@@ -717,7 +747,7 @@ class NativeLinear(nn.Module):
             return None
         tiles = self.weight_ilv.shape[0]
         q = self.weight_ilv.reshape(tiles, k, BLOCK_ROWS).permute(0, 2, 1).reshape(n, k)
-        if self.exact_format == "block_int8":
+        if self.format is Format.BLOCK_INT8:
             ints = q.to(torch.int8)
             scales = self.block_scales.permute(0, 2, 1).reshape(n, k // BLOCK_K, 1)
             block, affine = BLOCK_K, False
@@ -767,9 +797,9 @@ class NativeLinear(nn.Module):
         w = self.dequantized()
         self.weight_ilv = interleave(F.pad(w, (0, 0, 0, self.padded_out - self.out_features)))
         self.block_scales = torch.empty(0)
-        self.exact_format = ""
-        self.integer, self.x8_block, self.x8_affine = False, 0, False
-        self._fn = self.lib.uag_linear_f32
+        self.format, self.origin = Format.FP32, Format.FP32
+        self.x8_block, self.x8_affine = 0, False
+        self._bind(self.lib)
 
     def prefix(self, rows: int) -> NativeLinear:
         """The layer restricted to its first ``rows`` outputs (a multiple of 16), sharing this
@@ -780,7 +810,7 @@ class NativeLinear(nn.Module):
         fraction of the head's bytes, and as views it costs no memory and stays in huge pages."""
         if rows <= 0 or rows % X8_GROUP or rows > self.padded_out:
             raise ValueError(f"a prefix needs 0 < rows <= {self.padded_out}, a multiple of 16")
-        per_entry = X8_GROUP if self.integer else BLOCK_ROWS
+        per_entry = FORMATS[self.format].per_entry
         part = copy.copy(self)  # its own attribute dictionary; the buffers' is replaced
         part._buffers = {
             name: None if t is None else t[: rows // per_entry if name == "weight_ilv" else rows]
@@ -808,6 +838,11 @@ class NativeLinear(nn.Module):
         names = ("weight_ilv", "block_scales", "scales", "wsum", "bias_padded")
         return [(self, name) for name in names]
 
+    def params_ptr(self) -> int | None:
+        """Where the kernel's parameter pointer points for this format (``Spec.params``)."""
+        name = FORMATS[self.format].params
+        return None if name is None else getattr(self, name).data_ptr()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32:
@@ -818,34 +853,20 @@ class NativeLinear(nn.Module):
             rows = rows.contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.padded_out)
-        if self.integer:
-            assert self.lib is not None
-            self.lib.uag_linear_x8(
+        bias = None if self.bias_padded is None else self.bias_padded.data_ptr()
+        if self.format is Format.EXACT:
+            self._fn(
                 rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
                 self.block_scales.data_ptr(), self.x8_block, int(self.x8_affine),
-                self.padded_out,
-                None if self.bias_padded is None else self.bias_padded.data_ptr(),
-                y.data_ptr(), self.padded_out,
+                self.padded_out, bias, y.data_ptr(), self.padded_out,
             )  # fmt: skip
-        elif self.dynamic and not self.q4:
+        elif self.format is Format.DYNAMIC_INT8:
             self.product_q8(rows, y)
         else:
             self._fn(
-                rows.data_ptr(),
-                self.padded_in,
-                m,
-                self.padded_in,
-                self.weight_ilv.data_ptr(),
-                self.block_scales.data_ptr()
-                if self.blocked or self.q4
-                else self.scales.data_ptr()
-                if self.int8
-                else None,
-                self.padded_out,
-                None if self.bias_padded is None else self.bias_padded.data_ptr(),
-                y.data_ptr(),
-                self.padded_out,
-            )
+                rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
+                self.params_ptr(), self.padded_out, bias, y.data_ptr(), self.padded_out,
+            )  # fmt: skip
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -866,7 +887,7 @@ class NativeLinear(nn.Module):
         the outlier channels' values, zeros elsewhere, ``rows`` zero there; ``quads``: the run of
         quads holding them; ``wsum`` int32 ``[padded out]``: the weights' sums over those quads)
         adds them on their own scale, their bound into ``bound_outliers`` (see ``q8.c``)."""
-        assert self.lib is not None and self.dynamic and not self.q4
+        assert self.lib is not None and self.format is Format.DYNAMIC_INT8
         xo, quads, wsum = outliers if outliers is not None else (None, None, None)
         self.lib.uag_linear_q8(
             rows.data_ptr(), self.padded_in, rows.shape[0], self.padded_in,
@@ -883,48 +904,11 @@ class NativeLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, ``[out, in]`` fp32 (tests, tied embeddings)."""
-        if self.integer:  # exact.c multiplies q · s (+ b) exactly; this rounds each to fp32
-            groups = self.weight_ilv.shape[0]
-            q = self.weight_ilv.permute(0, 2, 1, 3).reshape(groups * X8_GROUP, -1).float()
-            p = self.block_scales.permute(0, 3, 1, 2).reshape(
-                groups * X8_GROUP, -1, 2 if self.x8_affine else 1
-            )
-            p = p.repeat_interleave(self.x8_block, dim=1)
-            w = q * p[..., 0] + (p[..., 1] if self.x8_affine else 0.0)
-            return w[: self.out_features, : self.in_features]
-        if self.q4:
-            tiles, blocks = self.weight_ilv.shape[:2]
-            raw = self.weight_ilv.view(tiles, blocks, 4, BLOCK_ROWS, 4)  # [tile, b, v, j, i]
-            nib = torch.stack([raw & 15, raw >> 4], dim=-1)  # [tile, b, v, j, i, half]
-            q = nib.permute(0, 3, 1, 2, 5, 4).reshape(tiles * BLOCK_ROWS, blocks, BLOCK_K)
-            p = self.block_scales.float().permute(0, 3, 1, 2).reshape(tiles * BLOCK_ROWS, blocks, 2)
-            return (p[..., 1:] + p[..., :1] * q.float()).reshape(self.out_features, -1)
-        blocks, steps = self.weight_ilv.shape[:2]
-        w = self.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * self.k_step)
-        w = w[: self.out_features, : self.in_features].float()
-        if self.exact_format == "block_int8":
-            s = self.block_scales.permute(0, 2, 1).reshape(blocks * BLOCK_ROWS, -1)
-            s = s[: self.out_features].repeat_interleave(BLOCK_K, dim=1)
-            return w * s
-        if self.exact_format == "block_affine":  # two roundings, as the kernel: (q · s) + b
-            p = self.block_scales.permute(0, 3, 1, 2).reshape(blocks * BLOCK_ROWS, -1, 2)
-            p = p[: self.out_features].repeat_interleave(AFFINE_K, dim=1)
-            return (w * p[..., 0]) + p[..., 1]
-        return w * self.scales[: self.out_features, None] if self.int8 else w
+        return FORMATS[self.format].dequantize(self)
 
     def extra_repr(self) -> str:
-        kind = (
-            "4-bit blocks x int8 dynamic"
-            if self.q4
-            else "int8 dynamic"
-            if self.dynamic
-            else "int8 weight-only"
-            if self.int8
-            else f"fp32 (as exact {self.exact_format.replace('_', ' ')})"
-            if self.blocked
-            else "fp32"
-        )
-        return f"in_features={self.in_features}, out_features={self.out_features}, native {kind}"
+        label = FORMATS[self.origin if self.format is Format.EXACT else self.format].label
+        return f"in_features={self.in_features}, out_features={self.out_features}, native {label}"
 
 
 def fuse(parts: list[nn.Module]) -> NativeLinear | None:
@@ -937,16 +921,14 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     if not parts or not all(isinstance(p, NativeLinear) for p in parts):
         return None
     layers: list[NativeLinear] = [p for p in parts if isinstance(p, NativeLinear)]
-    storage = {(p.exact_format, p.integer, p.x8_block, p.x8_affine) for p in layers}
+    storage = {(p.format, p.origin, p.x8_block, p.x8_affine) for p in layers}
     if len(storage) > 1:  # one storage per fused product
         for p in layers:
             p.to_fp32()
     first = layers[0]
     compatible = all(
         p.in_features == first.in_features
-        and p.q4 == first.q4
-        and p.int8 == first.int8
-        and p.dynamic == first.dynamic
+        and p.format is first.format
         and p.lib is first.lib
         and p.out_features == p.padded_out
         and (p.bias_padded is None) == (first.bias_padded is None)
@@ -956,32 +938,32 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
         return None
     fused = NativeLinear.__new__(NativeLinear)
     nn.Module.__init__(fused)
-    fused.lib, fused.int8, fused._fn = first.lib, first.int8, first._fn
-    fused.exact_format = first.exact_format
-    fused.integer, fused.x8_block, fused.x8_affine = first.integer, first.x8_block, first.x8_affine
-    fused.dynamic, fused.k_step, fused.q4 = first.dynamic, first.k_step, first.q4
+    fused.format, fused.origin = first.format, first.origin
+    fused.x8_block, fused.x8_affine = first.x8_block, first.x8_affine
+    fused.k_step = first.k_step
     fused.in_features, fused.padded_in = first.in_features, first.padded_in
     fused.out_features = fused.padded_out = sum(p.out_features for p in layers)
     fused.register_buffer("weight_ilv", torch.cat([p.weight_ilv for p in layers]))
     fused.register_buffer("scales", torch.cat([p.scales for p in layers]))
     fused.register_buffer("wsum", torch.cat([p.wsum for p in layers]))
-    fused.block_scales = (
-        torch.cat([p.block_scales for p in layers]) if first.blocked or first.q4 else torch.empty(0)
-    )
+    blocks = first.block_scales.numel() > 0
+    fused.block_scales = torch.cat([p.block_scales for p in layers]) if blocks else torch.empty(0)
     biases = [p.bias_padded for p in layers]
     fused.bias_padded = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
     fused.invariance = "invariant"
-    start, rows = 0, X8_GROUP if first.integer else BLOCK_ROWS  # outputs per leading index
+    assert first.lib is not None
+    fused._bind(first.lib)
+    start, rows = 0, FORMATS[first.format].per_entry  # outputs per leading index
     for p in layers:
-        blocks = p.weight_ilv.shape[0]
-        p.weight_ilv = fused.weight_ilv[start : start + blocks]
-        p.scales = fused.scales[start * rows : (start + blocks) * rows]
-        p.wsum = fused.wsum[start * rows : (start + blocks) * rows]
-        if first.blocked or first.q4:
-            p.block_scales = fused.block_scales[start : start + blocks]
+        count = p.weight_ilv.shape[0]
+        p.weight_ilv = fused.weight_ilv[start : start + count]
+        p.scales = fused.scales[start * rows : (start + count) * rows]
+        p.wsum = fused.wsum[start * rows : (start + count) * rows]
+        if blocks:
+            p.block_scales = fused.block_scales[start : start + count]
         if fused.bias_padded is not None:
-            p.bias_padded = fused.bias_padded[start * rows : (start + blocks) * rows]
-        start += blocks
+            p.bias_padded = fused.bias_padded[start * rows : (start + count) * rows]
+        start += count
     return fused
 
 

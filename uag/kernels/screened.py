@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uag.kernels.formats import FORMATS
 from uag.kernels.native import NativeLinear, fp32_product
 
 CALIBRATION_TEXT = (
@@ -229,12 +230,11 @@ class ScreenedHead(nn.Module):
         (``skinny.c``: the full product's own chain of multiply-adds for each), where the exact
         weight is held in the kernels' layout; else None."""
         exact, lib = self.exact, self.approx.lib
-        if exact is None or lib is None or exact.int8 or exact.q4:
+        if exact is None or lib is None or FORMATS[exact.format].widen is None:
             return None
-        fmt = {"block_int8": 2, "block_affine": 3}.get(exact.exact_format, 0)
         ids = torch.empty(x.shape[0], dtype=torch.int64)
         done = lib.uag_exact_candidates(
-            fmt, exact.weight_ilv.data_ptr(), exact.block_scales.data_ptr() if fmt else None,
+            int(exact.format), exact.weight_ilv.data_ptr(), exact.params_ptr(),
             self.in_features, x.data_ptr(), x.stride(0), x.shape[0],
             None if self.bias is None else self.bias.data_ptr(),
             rows.data_ptr(), cols.data_ptr(), cols.numel(),

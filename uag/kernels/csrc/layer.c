@@ -14,25 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vexp.h"
-
-void uag_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
-                    const float *scale, int64_t N, const float *bias, float *y, int64_t ldy);
-void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *scale, int64_t N, const float *bias, float *y, int64_t ldy);
-void uag_linear_b8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *bscale, int64_t N, const float *bias, float *y, int64_t ldy);
-void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
-                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy);
-void uag_linear_q8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *wscale, const int32_t *wsum, int64_t N, const float *bias,
-                   float *y, int64_t ldy, int64_t levels, float *bound, const float *xo,
-                   int64_t ldxo, float *bound_o, int64_t q0, int64_t nq, const int32_t *wsum_o);
-void uag_linear_q4(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
-                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy);
-void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *params, int64_t blk, int64_t affine, int64_t N,
-                   const float *bias, float *y, int64_t ldy);
 
 typedef struct {
     const void *weight; /* interleaved (skinny.c) */
@@ -41,15 +24,11 @@ typedef struct {
     const int32_t *wsum; /* dynamic int8: each output's sum of int8 weights; else NULL */
     const float *bias;  /* or NULL */
     int64_t in, out;    /* out: a multiple of 8 (the kernels' layout) */
-    int64_t kind;       /* 0 fp32, 1 int8 weight-only (skinny.c), 2 dynamic int8 (q8.c),
-                           3 block-scaled int8 equal to the fp32 weight (skinny.c),
-                           4 block-affine uint8 equal to the fp32 weight (skinny.c),
-                           5 4-bit weights x int8 activations (q4.c),
-                           6 block weights x activations as exact integers (exact.c) */
-    int64_t block, affine; /* kind 6: inputs per block; whether blocks have bases */
+    int64_t format;     /* enum uag_format (formats.h): which kernel, what scale points at */
+    int64_t block, affine; /* UAG_FMT_EXACT: inputs per block; whether blocks have bases */
 } uag_linear_t;
 
-typedef struct {
+typedef struct uag_layer {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     int64_t gemma;  /* Gemma 3: norms after attention and MLP too, q/k norms, gelu-tanh */
     int64_t window; /* sliding window (0: full attention) */
@@ -61,32 +40,40 @@ typedef struct {
                         bytes a decode step's attention reads), else float */
 } uag_layer_t;
 
-typedef struct {
+typedef struct uag_scratch {
     float *x, *qkv, *attn, *o, *gu, *act; /* scratch: [rows, width] each, sized by the caller */
 } uag_scratch_t;
 
 static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y) {
-    if (l->kind == 6)
+    switch (l->format) {
+    case UAG_FMT_EXACT:
         uag_linear_x8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->block,
                       l->affine, l->out, l->bias, y, l->out);
-    else if (l->kind == 5)
-        uag_linear_q4(x, l->in, rows, l->in, (const uint8_t *)l->weight, l->scale, l->out, l->bias,
-                      y, l->out);
-    else if (l->kind == 2)
+        break;
+    case UAG_FMT_Q4:
+        uag_linear_q4(x, l->in, rows, l->in, (const uint8_t *)l->weight,
+                      (const uint16_t *)l->scale, l->out, l->bias, y, l->out);
+        break;
+    case UAG_FMT_DYNAMIC_INT8:
         uag_linear_q8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->wsum, l->out,
                       l->bias, y, l->out, 1, NULL, NULL, 0, NULL, 0, 0, NULL);
-    else if (l->kind == 3)
+        break;
+    case UAG_FMT_BLOCK_INT8:
         uag_linear_b8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->out, l->bias,
                       y, l->out);
-    else if (l->kind == 4)
+        break;
+    case UAG_FMT_BLOCK_AFFINE:
         uag_linear_a8(x, l->in, rows, l->in, (const uint8_t *)l->weight, l->scale, l->out, l->bias,
                       y, l->out);
-    else if (l->kind == 1)
+        break;
+    case UAG_FMT_INT8:
         uag_linear_i8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->out, l->bias,
                       y, l->out);
-    else
+        break;
+    default:
         uag_linear_f32(x, l->in, rows, l->in, (const float *)l->weight, NULL, l->out, l->bias, y,
                        l->out);
+    }
 }
 
 static inline float hsum8(__m256 v) {

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "vexp.h"
 
 /* The three terms and the slack of a bound. */

@@ -28,8 +28,6 @@ typedef struct {
 } __attribute__((packed)) uag_amx_config;
 #endif
 
-int uag_use_vnni(void);       /* q8.c: the CPU has AVX-VNNI (and the tests left it on) */
-int uag_use_avx512vnni(void); /* q8.c: likewise AVX-512 VNNI (F, BW, VL) */
-int uag_use_amx(void);        /* q8.c: AMX-INT8, and the kernel grants the tile state */
+#include "kernels.h" /* uag_use_vnni, uag_use_avx512vnni, uag_use_amx (q8.c) */
 
 #endif

@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 #define LANES 8 /* outputs per vector; the weight is stored as [N/8][K][8] */
 #define BLOCK_K 32 /* inputs sharing one scale in the block-scaled int8 layout */
 #define ABLOCK_K 16 /* inputs sharing one scale and base in the block-affine uint8 layout */
@@ -178,8 +180,9 @@ static inline AVX512 __attribute__((always_inline)) __m512 w2_u8(const uint8_t *
 }
 
 /* Rows [0, mb) against PAIRS pairs of vectors (4 vectors: j = 2p, 2p + 1) for k in [k0, k1);
- * state as in the AVX2 kernels. fmt: 0 fp32, 1 int8 (scale applied at the end, as k_i8),
- * 2 block int8, 3 block affine; the weight each multiply-add sees is bitwise the AVX2 path's. */
+ * state as in the AVX2 kernels. fmt: one of this file's formats (formats.h: fp32, int8 with
+ * the scale applied at the end as k_i8, block int8, block affine); the weight each multiply-add
+ * sees is bitwise the AVX2 path's. */
 static inline AVX512 __attribute__((always_inline)) void k512(
     const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K, const void *w,
     const float *bs, const int fmt, __m256 *state) {
@@ -194,11 +197,11 @@ static inline AVX512 __attribute__((always_inline)) void k512(
         __m512 wv[PAIRS];
         _Pragma("GCC unroll 2") for (int p = 0; p < PAIRS; p++) {
             const int64_t a = ((2 * p) * K + k) * LANES, b = ((2 * p + 1) * K + k) * LANES;
-            if (fmt == 0) {
+            if (fmt == UAG_FMT_FP32) {
                 wv[p] = w2_f32(wf + a, wf + b);
-            } else if (fmt == 1) {
+            } else if (fmt == UAG_FMT_INT8) {
                 wv[p] = w2_i8(wq + a, wq + b);
-            } else if (fmt == 2) {
+            } else if (fmt == UAG_FMT_BLOCK_INT8) {
                 const int64_t KB = K / BLOCK_K;
                 const __m512 sc = w2_f32(bs + ((2 * p) * KB + k / BLOCK_K) * LANES,
                                          bs + ((2 * p + 1) * KB + k / BLOCK_K) * LANES);
@@ -231,7 +234,8 @@ static inline AVX512 __attribute__((always_inline)) void k512(
 static AVX512 void dispatch512(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1,
                                int64_t K, const void *w, const float *bs, int fmt, __m256 *state) {
     switch (fmt * 16 + mb) {
-        ROWS512(0) ROWS512(1) ROWS512(2) ROWS512(3)
+        ROWS512(UAG_FMT_FP32) ROWS512(UAG_FMT_INT8)
+        ROWS512(UAG_FMT_BLOCK_INT8) ROWS512(UAG_FMT_BLOCK_AFFINE)
         default: abort();
     }
 }
@@ -278,13 +282,14 @@ static int max_rows(int nv) { return nv >= 8 ? 1 : nv == 4 ? 3 : nv == 3 ? 4 : 6
  * each weight again in every pass, yet measured ~10 % faster than fp32 at 7-8 rows (widening a
  * chunk once into an fp32 buffer for all passes measured slower than either). Chunking changes nothing in the arithmetic: each
  * output is still one chain of FMAs over k in order. */
-static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int int8,
+static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int fmt,
                   const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    /* int8: 0 fp32, 1 int8 with one scale per output (applied at the end), 2 block-scaled int8
-     * (scale: [N/8][K/32][8], applied to each weight before its multiply-add), 3 block-affine
+    /* fmt (formats.h): fp32; int8 with one scale per output (applied at the end); block int8
+     * (scale: [N/8][K/32][8], applied to each weight before its multiply-add); block affine
      * uint8 (scale: [N/8][K/16][2][8], likewise) */
-    const float *bscale = int8 >= 2 ? scale : NULL;
-    if (int8 >= 2) scale = NULL;
+    const int blocks = fmt == UAG_FMT_BLOCK_INT8 || fmt == UAG_FMT_BLOCK_AFFINE;
+    const float *bscale = blocks ? scale : NULL;
+    if (blocks) scale = NULL;
     const int64_t vectors = N / LANES;
     const int wide = M > 1 && use_avx512(); /* several rows: the AVX-512 path where there is one */
     const int nv = wide ? 2 * PAIRS : tile_vectors(M);
@@ -300,7 +305,7 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
         for (int64_t g0 = 0; g0 < M; g0 += GROUP) {
             const int64_t rows = M - g0 < GROUP ? M - g0 : GROUP;
             const int64_t passes = (rows + most - 1) / most;
-            const int64_t chunk = passes > 1 && int8 != 1 ? KC : K;
+            const int64_t chunk = passes > 1 && fmt != UAG_FMT_INT8 ? KC : K;
             __m256 state[GROUP * 8];
             for (int64_t i = 0; i < rows * 8; i++) state[i] = _mm256_setzero_ps();
             for (int64_t k0 = 0; k0 < K; k0 += chunk) {
@@ -314,20 +319,21 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
                     /* the last tile may be narrower: then one vector at a time */
                     const int step = width == nv ? nv : 1;
                     if (wide && step == nv) {
-                        const void *wt = int8 == 0 ? (const void *)wf : (const void *)wq;
-                        const float *bt = int8 == 2   ? bscale + v0 * (K / BLOCK_K) * LANES
-                                          : int8 == 3 ? bscale + v0 * (K / ABLOCK_K) * 2 * LANES
-                                                      : NULL;
-                        dispatch512(xm, ldx, mb, k0, k1, K, wt, bt, int8, st);
+                        const void *wt = fmt == UAG_FMT_FP32 ? (const void *)wf : (const void *)wq;
+                        const float *bt =
+                            fmt == UAG_FMT_BLOCK_INT8     ? bscale + v0 * (K / BLOCK_K) * LANES
+                            : fmt == UAG_FMT_BLOCK_AFFINE ? bscale + v0 * (K / ABLOCK_K) * 2 * LANES
+                                                          : NULL;
+                        dispatch512(xm, ldx, mb, k0, k1, K, wt, bt, fmt, st);
                         m0 += mb;
                         continue;
                     }
                     for (int j = 0; j < width; j += step) {
-                        if (!int8)
+                        if (fmt == UAG_FMT_FP32)
                             dispatch_f32(xm, ldx, mb, k0, k1, K, wf + j * LANES * K, step, st + j);
-                        else if (int8 == 1)
+                        else if (fmt == UAG_FMT_INT8)
                             dispatch_i8(xm, ldx, mb, k0, k1, K, wq + j * LANES * K, step, st + j);
-                        else if (int8 == 2)
+                        else if (fmt == UAG_FMT_BLOCK_INT8)
                             dispatch_b8(xm, ldx, mb, k0, k1, K, wq + j * LANES * K,
                                         bscale + (v0 + j) * (K / BLOCK_K) * LANES, step, st + j);
                         else
@@ -351,24 +357,24 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
 
 void uag_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
                     const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, 0, scale, N, bias, y, ldy);
+    drive(x, ldx, M, K, w, UAG_FMT_FP32, scale, N, bias, y, ldy);
 }
 
 void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, 1, scale, N, bias, y, ldy);
+    drive(x, ldx, M, K, w, UAG_FMT_INT8, scale, N, bias, y, ldy);
 }
 
 /* Block-scaled int8 (k_b8): K a multiple of 32; bitwise uag_linear_f32 on the exact weight. */
 void uag_linear_b8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *bscale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, 2, bscale, N, bias, y, ldy);
+    drive(x, ldx, M, K, w, UAG_FMT_BLOCK_INT8, bscale, N, bias, y, ldy);
 }
 
 /* Block-affine uint8 (k_a8): K a multiple of 16; bitwise uag_linear_f32 on the exact weight. */
 void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, 3, params, N, bias, y, ldy);
+    drive(x, ldx, M, K, w, UAG_FMT_BLOCK_AFFINE, params, N, bias, y, ldy);
 }
 
 /* Split w[N, K] (row-major fp32, K a multiple of 32) into q[N, K] int8 and s[N, K/32] with
@@ -454,14 +460,14 @@ int64_t uag_block_affine(const float *w, int64_t N, int64_t K, uint8_t *q, float
 }
 
 /* Weight (r, k) of a matrix in this file's layout, in fp32 exactly as the kernels widen it:
- * fmt 0 fp32, 2 block int8 (q * s, one exact product), 3 block affine (fl(q * s) + b). */
+ * fmt (formats.h): fp32, block int8 (q * s, one exact product), block affine (fl(q * s) + b). */
 static inline float weight_at(int64_t fmt, const void *w, const float *params, int64_t K,
                               int64_t r, int64_t k) {
     const int64_t blk = r / LANES, lane = r % LANES, at = (blk * K + k) * LANES + lane;
-    if (fmt == 2)
+    if (fmt == UAG_FMT_BLOCK_INT8)
         return (float)((const int8_t *)w)[at] *
                params[(blk * (K / BLOCK_K) + k / BLOCK_K) * LANES + lane];
-    if (fmt == 3) {
+    if (fmt == UAG_FMT_BLOCK_AFFINE) {
         const float *p = params + (blk * (K / ABLOCK_K) + k / ABLOCK_K) * 2 * LANES + lane;
         return (float)((const uint8_t *)w)[at] * p[0] + p[LANES];
     }
@@ -471,8 +477,8 @@ static inline float weight_at(int64_t fmt, const void *w, const float *params, i
 /* Rows ids[0..n) of a weight in this file's layout as fp32 out[n, K], each times scale:
  * bitwise what uag.kernels.native.NativeLinear.rows computes in torch (one exact product q * s for
  * block int8, fl(q * s) + b for block affine, then the one multiply by scale), for an embedding
- * lookup or the screened head's candidate rows. fmt as drive()'s: 0 fp32, 2 block int8, 3
- * block affine. Why in C: the same in torch is six ops, ~0.17 ms a forward, each cold after the
+ * lookup or the screened head's candidate rows. fmt (formats.h): fp32, block int8 or block
+ * affine. Why in C: the same in torch is six ops, ~0.17 ms a forward, each cold after the
  * layers stream their weights. */
 void uag_gather_rows(int64_t fmt, const void *w, const float *params, int64_t K,
                      const int64_t *ids, int64_t n, float scale, float *out) {
@@ -482,7 +488,7 @@ void uag_gather_rows(int64_t fmt, const void *w, const float *params, int64_t K,
     }
 }
 
-/* The screened head's exact step (uag/screened.py): for each candidate i, row rows[i] of x and
+/* The screened head's exact step (uag/kernels/screened.py): for each candidate i, row rows[i] of x and
  * vocabulary id cols[i] (sorted by row, then id), its fp32 logit as the full product computes
  * it: one chain of fused multiply-adds over k in order from 0, on the weight exactly as the
  * kernels see it (weight_at), then + bias[id]; so bitwise the value drive() gives that

@@ -1,0 +1,194 @@
+"""The weight storage formats of a ``uag.kernels.native.NativeLinear``, one row each.
+
+A linear holds one ``Format``; everything that depends on it reads this table: which C function
+multiplies it, which tensor the kernel's parameter pointer reads, whether the weights can be
+gathered as fp32 rows, and how to turn the stored blocks back into fp32 weights. The codes are
+``csrc/formats.h``'s (read from it here), so C and Python share one numbering; adding a format is
+a line there, a row here and its kernel. (ggml's ``type_traits`` table, on a smaller scale.)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+"""The kernels' C sources and headers (shipped in the wheel: pyproject's package-data)."""
+
+BLOCK_ROWS, K_STEP, Q8_K_STEP, BLOCK_K, AFFINE_K = 8, 1, 4, 32, 16
+"""The kernels' layout: blocks of 8 outputs, their weights side by side for every input
+(``skinny.c``) or for every 4 consecutive inputs (``q8.c``); block-scaled int8 has one scale
+per ``BLOCK_K`` inputs of each output, block-affine uint8 one scale and one base per
+``AFFINE_K``."""
+X8_GROUP, X8_QUAD = 16, 4
+"""``exact.c``'s layout: 16 outputs' 4 consecutive weights side by side, ``[N/16][K/4][16][4]``,
+block parameters ``[N/16][K/block][1 or 2][16]`` (scales, then bases for the affine format)."""
+
+
+def _codes(header: Path) -> dict[str, int]:
+    """``{name: code}`` of ``enum uag_format`` (``UAG_FMT_<name> = <code>``)."""
+    return {
+        m[1]: int(m[2]) for m in re.finditer(r"\bUAG_FMT_(\w+)\s*=\s*(\d+)", header.read_text())
+    }
+
+
+_CODE = _codes(CSRC / "formats.h")
+
+
+class Format(IntEnum):
+    """How a native linear stores its weight (codes: ``csrc/formats.h``)."""
+
+    FP32 = _CODE["FP32"]
+    """fp32 in ``skinny.c``'s ``[N/8][K][8]``."""
+    INT8 = _CODE["INT8"]
+    """int8 with one scale per output, fp32 activations (weight-only, ``skinny.c``)."""
+    BLOCK_INT8 = _CODE["BLOCK_INT8"]
+    """int8 times a scale per block of 32, *equal* to the fp32 weight (``skinny.c``)."""
+    BLOCK_AFFINE = _CODE["BLOCK_AFFINE"]
+    """uint8 times a scale plus a base per block of 16, equal to the fp32 weight (``skinny.c``)."""
+    DYNAMIC_INT8 = _CODE["DYNAMIC_INT8"]
+    """int8 with one scale per output times int8 activations (``q8.c``, approximate)."""
+    Q4 = _CODE["Q4"]
+    """4-bit blocks of 32 times int8 activations (``q4.c``, approximate)."""
+    EXACT = _CODE["EXACT"]
+    """An exact block form's integers times the activations as exact integer sums (``exact.c``)."""
+
+
+class Stored(Protocol):
+    """What a format's functions read of a layer (``NativeLinear``)."""
+
+    weight_ilv: torch.Tensor
+    block_scales: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    k_step: int
+    x8_block: int
+    x8_affine: bool
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One format's row."""
+
+    kernel: str
+    """The C function computing ``y = x @ W^T (+ bias)`` (``csrc/kernels.h``)."""
+    label: str
+    """What ``NativeLinear``'s repr calls it."""
+    params: str | None
+    """The layer's tensor the kernel's parameter pointer reads (``scales``, ``block_scales``)."""
+    per_entry: int
+    """Outputs per leading index of the stored weight (``NativeLinear.prefix``, ``fuse``)."""
+    dequantize: Callable[[Stored], torch.Tensor]
+    """The weight as the kernel sees it, fp32 ``[out, in]``."""
+    block: int = 0
+    """Formats in ``skinny.c``'s fp32 layout whose weights are exact: inputs per block of
+    parameters (0: fp32 itself, or not such a format)."""
+    widen: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """Formats whose stored values are the fp32 weights in ``skinny.c``'s layout (fp32 and the
+    exact block forms): ``(integers, their block's parameters [..., 1 or 2])`` → fp32 weights,
+    rounded as the kernels widen them (``q · s``, or ``fl(q · s) + b``). None: rows and columns
+    cannot be read back (``NativeLinear.rows``)."""
+
+
+def block_parameters(layer: Stored) -> torch.Tensor:
+    """An exact block form's parameters as ``[N/8, K/block, 1 or 2, 8]`` (block int8 stores
+    ``[N/8, K/32, 8]``: one scale, no base)."""
+    bs = layer.block_scales
+    return bs.unsqueeze(2) if bs.dim() == 3 else bs
+
+
+def _fp32_layout(layer: Stored) -> torch.Tensor:
+    """The stored values of ``skinny.c``'s (or ``q8.c``'s) layout as ``[out, in]`` fp32."""
+    blocks, steps = layer.weight_ilv.shape[:2]
+    w = layer.weight_ilv.permute(0, 2, 1, 3).reshape(blocks * BLOCK_ROWS, steps * layer.k_step)
+    return w[: layer.out_features, : layer.in_features].float()
+
+
+def _widen_scale(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return q * p[..., 0]  # one exact product
+
+
+def _widen_affine(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return (q * p[..., 0]) + p[..., 1]  # two roundings, as the kernel: (q · s) + b
+
+
+def _dequantize_blocks(
+    layer: Stored, block: int, widen: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    p = block_parameters(layer)
+    blocks, count, kinds = p.shape[:3]
+    p = p.permute(0, 3, 1, 2).reshape(blocks * BLOCK_ROWS, count, kinds)[: layer.out_features]
+    return widen(_fp32_layout(layer), p.repeat_interleave(block, dim=1))
+
+
+def _dequantize_scaled(layer: Stored) -> torch.Tensor:
+    return _fp32_layout(layer) * layer.scales[: layer.out_features, None]
+
+
+def _dequantize_q4(layer: Stored) -> torch.Tensor:
+    tiles, blocks = layer.weight_ilv.shape[:2]
+    raw = layer.weight_ilv.view(tiles, blocks, 4, BLOCK_ROWS, 4)  # [tile, b, v, j, i]
+    nib = torch.stack([raw & 15, raw >> 4], dim=-1)  # [tile, b, v, j, i, half]
+    q = nib.permute(0, 3, 1, 2, 5, 4).reshape(tiles * BLOCK_ROWS, blocks, BLOCK_K)
+    p = layer.block_scales.float().permute(0, 3, 1, 2).reshape(tiles * BLOCK_ROWS, blocks, 2)
+    return (p[..., 1:] + p[..., :1] * q.float()).reshape(layer.out_features, -1)
+
+
+def _dequantize_exact(layer: Stored) -> torch.Tensor:
+    # exact.c multiplies q · s (+ b) exactly; this rounds each to fp32
+    groups = layer.weight_ilv.shape[0]
+    q = layer.weight_ilv.permute(0, 2, 1, 3).reshape(groups * X8_GROUP, -1).float()
+    p = layer.block_scales.permute(0, 3, 1, 2).reshape(
+        groups * X8_GROUP, -1, 2 if layer.x8_affine else 1
+    )
+    p = p.repeat_interleave(layer.x8_block, dim=1)
+    w = q * p[..., 0] + (p[..., 1] if layer.x8_affine else 0.0)
+    return w[: layer.out_features, : layer.in_features]
+
+
+FORMATS: dict[Format, Spec] = {
+    Format.FP32: Spec(
+        "uag_linear_f32", "fp32", None, BLOCK_ROWS, _fp32_layout, widen=lambda q, p: q
+    ),
+    Format.INT8: Spec(
+        "uag_linear_i8", "int8 weight-only", "scales", BLOCK_ROWS, _dequantize_scaled
+    ),
+    Format.BLOCK_INT8: Spec(
+        "uag_linear_b8",
+        "fp32 (as exact block int8)",
+        "block_scales",
+        BLOCK_ROWS,
+        lambda layer: _dequantize_blocks(layer, BLOCK_K, _widen_scale),
+        block=BLOCK_K,
+        widen=_widen_scale,
+    ),  # fmt: skip
+    Format.BLOCK_AFFINE: Spec(
+        "uag_linear_a8",
+        "fp32 (as exact block affine)",
+        "block_scales",
+        BLOCK_ROWS,
+        lambda layer: _dequantize_blocks(layer, AFFINE_K, _widen_affine),
+        block=AFFINE_K,
+        widen=_widen_affine,
+    ),  # fmt: skip
+    Format.DYNAMIC_INT8: Spec(
+        "uag_linear_q8", "int8 dynamic", "scales", BLOCK_ROWS, _dequantize_scaled
+    ),
+    Format.Q4: Spec(
+        "uag_linear_q4", "4-bit blocks x int8 dynamic", "block_scales", BLOCK_ROWS, _dequantize_q4
+    ),
+    Format.EXACT: Spec(
+        "uag_linear_x8", "exact integer blocks", "block_scales", X8_GROUP, _dequantize_exact
+    ),
+}
+"""Every format's row: ``FORMATS[layer.format]``."""
+
+EXACT_BLOCKS = (Format.BLOCK_INT8, Format.BLOCK_AFFINE)
+"""The forms found from the values alone that equal the fp32 weights, in the order tried."""
