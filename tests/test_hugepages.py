@@ -66,7 +66,7 @@ def test_a_process_may_exit_with_a_move_under_way():
 
     script = (
         "import types, torch\n"
-        "from uag import hugepages\n"
+        "from uag.kernels import hugepages\n"
         "owner = types.SimpleNamespace(w=torch.ones(100_000_000))\n"
         "hugepages.Move([(owner, 'w')])\n"
     )

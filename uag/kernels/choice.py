@@ -71,7 +71,8 @@ def resolve_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> st
     """``auto`` → the fastest kernels usable here: ``native`` (``uag.kernels.native``), else ``onednn``
     on a CPU with float32 weights, else ``plain`` (``F.linear``: GPUs, other dtypes).
 
-    Asking for ``native`` or ``onednn`` where it cannot run is an error, not a silent fallback.
+    Asking for ``native`` or ``onednn`` where it cannot run is an error, not a silent fallback;
+    ``auto`` on a float32 CPU without the native kernels says why on stderr (once).
     """
     from uag.kernels.native import native_unavailable
 
@@ -94,8 +95,22 @@ def resolve_kernels(choice: str, device: torch.device, dtype: torch.dtype) -> st
         )
         raise UagError(f"--kernels native is unavailable: {why}")
     if choice == "auto":
-        return "onednn" if onednn else "plain"
+        mode = "onednn" if onednn else "plain"
+        if cpu32 and os.environ.get("UAG_KERNELS", "") not in ("onednn", "plain"):
+            _say_native_unavailable(str(native_unavailable()), mode)
+        return mode
     return choice
+
+
+@functools.cache
+def _say_native_unavailable(why: str, mode: str) -> None:
+    """Tell the user, once, that ``auto`` runs without the native kernels and why: a build that
+    fails (no compiler, headers missing from an install) must not just run slower in silence.
+    Not said when ``UAG_KERNELS`` asked for other kernels."""
+    print(
+        f"uag: native kernels unavailable ({why}); using {mode} kernels instead (slower)",
+        file=sys.stderr,
+    )
 
 
 def _onednn_linear(
