@@ -70,6 +70,7 @@ class ControllerInfo:
 
 
 def _session(path: Path, *, use_cuda: bool) -> Any:
+    # onnxruntime is slow to import, and the CLI imports this module at start-up.
     import onnxruntime as ort
 
     if not path.is_file():

@@ -129,6 +129,7 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
     """Read every Parquet part of ``dirs``; refuse runs whose schema or feature names differ,
     and (unless ``allow_mixed``) runs of another pair, assistant precision, decoding mode or
     latency device."""
+    # pyarrow is slow to import, and uag.harness.collect (imported by the CLI) imports this module.
     import pyarrow.parquet as pq
 
     if not dirs:
@@ -164,6 +165,7 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
             frames.append(pq.read_table(part))
         except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
             raise UagError(f"{part} is not a readable Parquet part ({err})") from None
+    # pyarrow: deferred, as in load_runs.
     import pyarrow as pa
 
     try:

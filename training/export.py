@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import torch
 
 from training.model import ControllerNet
@@ -21,9 +23,6 @@ def export_onnx(
 ) -> float:
     """Write ``path`` (input ``features`` [N, F] float32 → output ``p_accept`` [N]); return the
     largest |onnxruntime − torch| difference on ``check_rows``, failing if outside tolerance."""
-    import onnx
-    import onnxruntime as ort
-
     net = net.cpu().eval()
     path.parent.mkdir(parents=True, exist_ok=True)
     example = torch.from_numpy(check_rows[:2].astype(np.float32))

@@ -11,7 +11,14 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lightning as L
 import numpy as np
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from training import replay
 from training.config import TrainConfig
@@ -77,18 +84,12 @@ class TrainSummary:
 
 
 def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
-
     if len(np.unique(labels)) < 2:
         return float("nan")
     return float(roc_auc_score(labels, scores))
 
 
 def _baselines(train: Collected, val: Collected) -> dict[str, float]:
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
     logreg = make_pipeline(
         StandardScaler(), LogisticRegression(class_weight="balanced", max_iter=2000)
     )
@@ -104,10 +105,6 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
     """Train, tune thresholds by replay on the validation (tune) prompts, report on the report
     prompts when there are any, export ONNX; None in every process but the first of a
     multi-process run (``--devices N --strategy ddp``)."""
-    import lightning as L
-    import torch
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     L.seed_everything(cfg.seed, verbose=False)
     dm = ControllerDataModule(
         cfg.data,

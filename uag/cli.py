@@ -17,13 +17,33 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+import torch
+from tqdm import tqdm
+
+from controllers.learned import LearnedPolicy
+from controllers.spec import parse_policy
 from training.config import TrainConfig
+from uag import api
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
-from uag.harness.bench import BenchConfig
-from uag.harness.collect import CollectConfig
+from uag.harness import calibration, launcher
+from uag.harness.bench import (
+    DEFAULT_POLICIES,
+    SAMPLING_POLICIES,
+    BenchConfig,
+    run_bench,
+    write_report,
+)
+from uag.harness.calibration import CalibrateConfig, lookup_lengths
+from uag.harness.collect import CollectConfig, collect, parse_shard
 from uag.harness.jobs import RunConfig
-from uag.kernels.choice import KERNEL_CHOICES
+from uag.harness.prompts import load_prompts
+from uag.kernels.choice import KERNEL_CHOICES, resolve_kernels
+from uag.paths import cache_root
+from uag.runtime import models, prepared
 from uag.runtime.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE
+from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET, resolve_device
 from uag.runtime.prepared import ROLES as PREPARED_ROLES
 
 Config = TypeVar("Config")
@@ -77,8 +97,6 @@ def _positive_int(value: str) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
-
     p.add_argument(
         "--target",
         default=None,
@@ -135,8 +153,6 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
     """Fill the model flags the user left out: from the controller's training contract when
     one is given (the settings its thresholds were chosen for), else the defaults. Returns the
     note to print once the models load (never silently; not before an error)."""
-    from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
-
     adopted = []
     info = getattr(controller, "info", None)
     for flag, attr, default in (
@@ -268,8 +284,6 @@ def _integer(flag: str) -> Any:
 
 def sampling_config(args: argparse.Namespace) -> Any:
     """``SamplingConfig`` from ``--sample`` and its settings, or None for greedy decoding."""
-    from uag.decoding.sampling import SamplingConfig
-
     given = [f for f in ("temperature", "top_p", "top_k", "seed") if getattr(args, f) is not None]
     if not args.sample:
         if given:
@@ -317,8 +331,6 @@ def _stats_line(result: Any) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import uag
-
     prompt = _read_prompt(args)
     sampling = sampling_config(args)
     if sampling is not None and args.compare_target_only:
@@ -326,7 +338,6 @@ def run_generate(args: argparse.Namespace) -> int:
             "--compare-target-only checks token identity, which sampled outputs do not have "
             "(they match the target in distribution; tests/test_sampling.py checks that)"
         )
-    from controllers.spec import parse_policy
 
     # Unless a policy is written out, prompt lookup goes first (lossless, and a copy costs no
     # assistant forward); a written policy is taken as written.
@@ -343,9 +354,6 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
     learned = None
     if spec.kind == "learned":
-        from controllers.learned import LearnedPolicy
-        from uag.runtime.models import resolve_device
-
         # Checked before the models load: a bad controller file fails in a second, not after.
         learned = LearnedPolicy(
             args.controller, use_cuda=resolve_device(args.device).type == "cuda"
@@ -354,7 +362,7 @@ def run_generate(args: argparse.Namespace) -> int:
     policy = learned or (
         spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
     )
-    pair = uag.load_pair(
+    pair = api.load_pair(
         args.target,
         args.assistant,
         device=args.device,
@@ -367,8 +375,6 @@ def run_generate(args: argparse.Namespace) -> int:
         print(adopted, file=sys.stderr)
     lookup = None
     if spec.lookup:
-        from uag.harness.calibration import lookup_lengths
-
         lookup = spec.make_lookup(lookup_lengths(pair))
     if learned is not None:
         learned.warn_if_foreign(
@@ -383,15 +389,15 @@ def run_generate(args: argparse.Namespace) -> int:
     reference = None
     if args.compare_target_only:
         # Warm both arms up (allocator, thread pools, kernels) outside the measured runs.
-        uag.generate(pair, prompt, policy=None, **{**common, "max_new_tokens": 4})
-        uag.generate(pair, prompt, policy=policy, lookup=lookup, **{**common, "max_new_tokens": 4})
-        reference = uag.generate(pair, prompt, policy=None, **common)
+        api.generate(pair, prompt, policy=None, **{**common, "max_new_tokens": 4})
+        api.generate(pair, prompt, policy=policy, lookup=lookup, **{**common, "max_new_tokens": 4})
+        reference = api.generate(pair, prompt, policy=None, **common)
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = uag.generate(
+    result = api.generate(
         pair,
         prompt,
         policy=policy,
@@ -403,8 +409,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if reference is not None:
         # One more run of each arm, alternating, and the faster of each: a single run of a few
         # seconds moves by several percent on a shared CPU.
-        ref2 = uag.generate(pair, prompt, policy=None, **common)
-        res2 = uag.generate(pair, prompt, policy=policy, lookup=lookup, **common)
+        ref2 = api.generate(pair, prompt, policy=None, **common)
+        res2 = api.generate(pair, prompt, policy=policy, lookup=lookup, **common)
         identical = all(r.token_ids == reference.token_ids for r in (ref2, result, res2))
         reference = min(reference, ref2, key=lambda r: r.seconds)
         result = min(result, res2, key=lambda r: r.seconds)
@@ -452,18 +458,10 @@ def _add_models_args(p: argparse.ArgumentParser) -> None:
 
 
 def _default_roles(name: str) -> tuple[str, ...]:
-    from uag.runtime.models import DEFAULT_ASSISTANT
-
     return ("assistant", "assistant-int8") if name == DEFAULT_ASSISTANT else ("target",)
 
 
 def run_models(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from uag.kernels.choice import resolve_kernels
-    from uag.runtime import models, prepared
-
     if getattr(args, "models_cmd", None) == "prepare":
         for name in args.names:
             if name not in models.EMBEDDED and not name.endswith(".gguf"):
@@ -484,7 +482,7 @@ def run_models(args: argparse.Namespace) -> int:
                     else f"{name}: cannot be prepared as {role} (it loads the usual way)"
                 )
         return 0
-    print(f"cache: {models.cache_root()}  (set UAG_CACHE to move it)")
+    print(f"cache: {cache_root()}  (set UAG_CACHE to move it)")
     for name, entry in models.EMBEDDED.items():
         state = (
             "converted"
@@ -579,13 +577,8 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_collect(args: argparse.Namespace) -> int:
-    from uag.harness import launcher
-    from uag.harness.collect import collect, parse_shard
-
     learned = None
     if args.controller is not None:
-        from controllers.learned import LearnedPolicy
-
         learned = LearnedPolicy(args.controller)  # its contract, checked before any work
     adopted = settle_model_args(args, learned)
     if adopted:
@@ -750,6 +743,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    # Lightning and scikit-learn take seconds to import: only `uag train-controller` pays.
     from training.train import train
 
     cfg = config_from_args(TrainConfig, args)
@@ -763,8 +757,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from uag.harness.bench import DEFAULT_POLICIES, SAMPLING_POLICIES
-
     _add_model_args(p)
     _add_prompt_set_args(p)
     p.add_argument(
@@ -798,8 +790,6 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    from uag.harness.bench import DEFAULT_POLICIES, SAMPLING_POLICIES, run_bench, write_report
-
     sampling = sampling_config(args)
     if args.policies is None:
         args.policies = DEFAULT_POLICIES if sampling is None else SAMPLING_POLICIES
@@ -834,8 +824,6 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
-    from uag.harness.calibration import CalibrateConfig
-
     _add_model_args(p)
     p.add_argument(
         "--prompts",
@@ -858,12 +846,6 @@ def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from uag.decoding.lookup import PromptLookup
-    from uag.harness import calibration
-    from uag.harness.prompts import load_prompts
-
     adopted = settle_model_args(args)
     cfg = config_from_args(calibration.CalibrateConfig, args)
     prompts = load_prompts(cfg.prompts, limit=cfg.limit)

@@ -23,6 +23,7 @@ The oracle (a greedy replay) is not available there.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import platform
@@ -35,13 +36,31 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from functools import partial
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from controllers.learned import LearnedPolicy
+from controllers.rules import StaticPolicy
+from controllers.spec import parse_policy, parse_policy_list
+from training import replay
+from training.data import from_columns
+from training.replay import Prefill
+from uag import api
+from uag.api import encode_prompt, render_prompt
+from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.round import MAX_CANDIDATES
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
+from uag.harness import dryrun
+from uag.harness.calibration import lookup_lengths
+from uag.harness.collect import rows_for_prompt
 from uag.harness.distribution import (
     ExcessCheck,
     LogprobCheck,
@@ -51,6 +70,8 @@ from uag.harness.distribution import (
     uniformity_check,
 )
 from uag.harness.jobs import RunConfig
+from uag.harness.latency import measure_pair_profile, pair_sampler
+from uag.harness.prompts import load_prompts
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
 SAMPLING_POLICIES = "target-only,static-1,static-2,static-4,confidence-0.4,transformers"
@@ -316,8 +337,6 @@ def bootstrap_interval(
     Paired by prompt: a resample keeps each prompt's two times together, so the spread is the
     prompts' disagreement about the ratio, not how much longer some prompts are than others.
     """
-    import numpy as np
-
     b, a = np.asarray(base, dtype=float), np.asarray(arm, dtype=float)
     pick = np.random.default_rng(seed).integers(0, len(b), size=(resamples, len(b)))
     ratios = b[pick].sum(axis=1) / a[pick].sum(axis=1)
@@ -327,8 +346,6 @@ def bootstrap_interval(
 
 def parse_policies(text: str) -> list[str]:
     """``--policies`` → arm names (``controllers.spec``'s grammar), target-only first."""
-    from controllers.spec import parse_policy_list
-
     return [str(s) for s in parse_policy_list(text)]
 
 
@@ -348,10 +365,8 @@ def _uag_arm(
     chat: bool,
     sampling: SamplingConfig | None = None,
 ) -> Arm:
-    import uag
-
     def run(prompt: str, n: int, seed: int | None) -> ArmRun:
-        res = uag.generate(
+        res = api.generate(
             pair,
             prompt,
             policy=arm_policy.make() if arm_policy else None,
@@ -389,8 +404,6 @@ def transformers_generate(
     through its UAG path; sampling: its token-level-intersection path), same prompt ids and stop
     tokens as uag uses. ``assistant_model`` replaces the pair's assistant (sampling prunes the
     assistant's head in place, so it needs a copy of its own)."""
-    import torch
-
     ids, _ = _encoded(pair, prompt, chat=chat)
     input_ids = torch.tensor([ids], device=pair.target.device)
     tok = pair.target.tokenizer
@@ -421,6 +434,8 @@ def transformers_generate(
         )
     except (RuntimeError, ValueError, IndexError) as exc:
         # Its code, not ours: say whose failure it is and how to go on without it.
+        # Transformers is slow to import and the CLI imports this module at start-up (this arm
+        # has loaded it already).
         import transformers
 
         what = "assisted generation" if assisted else "generate()"
@@ -436,8 +451,6 @@ def transformers_generate(
 def _tested_transformers() -> str:
     """The Transformers range uag declares (pyproject.toml, read from the installed metadata so
     that there is one place to change it)."""
-    from importlib import metadata
-
     try:
         found = [r for r in metadata.requires("uag") or [] if r.startswith("transformers")]
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -447,8 +460,6 @@ def _tested_transformers() -> str:
 
 def _transformers_arm(pair: Any, *, chat: bool, sampling: SamplingConfig | None = None) -> Arm:
     """Transformers' own assisted generation on the same pair, with its defaults."""
-    import copy
-
     # Its sampling path prunes the assistant's head in place: give it a copy of its own.
     assistant = copy.deepcopy(pair.assistant.model) if sampling is not None else None
 
@@ -481,10 +492,6 @@ def build_arms(
     any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
     speculative arm's policy factory (what exact replay runs). ``+lookup`` arms copy
     ``lookup_lengths`` (``uag calibrate``; None: the built-in lengths)."""
-    from functools import partial
-
-    from controllers.spec import parse_policy
-
     arms: dict[str, Arm] = {}
     for name in names:
         spec = parse_policy(name)
@@ -524,8 +531,6 @@ def build_arms(
 
 
 def _learned_factory(pair: Any, cfg: BenchConfig, prompt_ids: list[str]) -> Callable[[], Any]:
-    from controllers.learned import LearnedPolicy
-
     if cfg.controller is None:
         raise UagError("policy 'learned' needs --controller PATH.onnx")
     policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
@@ -541,20 +546,12 @@ def _replay_pass(
     (``sampler``'s slices from across the timed runs, topped up now) and the prefill the pass
     paid (``training.replay.Prefill``): what replay needs to predict the oracle, static-K and
     learned arms over whole runs."""
-    import uag
-    from controllers.rules import StaticPolicy
-    from training.data import from_columns
-    from training.replay import Prefill
-    from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
-    from uag.harness.collect import rows_for_prompt
-    from uag.harness.latency import measure_pair_profile
-
     # Every verify size the loop sends is measured, not extrapolated: lookup copies up to 11.
     profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES, sampler=sampler)
     parts = []
     target_prefill = assistant_prefill = 0.0
     for p in prompts:
-        out = uag.generate(
+        out = api.generate(
             pair,
             p.text,
             policy=StaticPolicy(k=ORACLE_LOOKAHEAD),
@@ -585,8 +582,6 @@ def _replay_pass(
 def _predict_oracle(data: Any, profile: Any, prefill: Any) -> float:
     """Replay's oracle speed-up: each round of the long-lookahead pass cut at its accepted
     count (1.0 when the pass drafted nothing)."""
-    from training import replay
-
     if data is None:
         return 1.0
     return replay.oracle(replay.build_iterations(data), profile, prefill=prefill).speedup
@@ -602,8 +597,6 @@ def _exact_predictions(
     """Exact replay per uag arm (``uag.harness.dryrun``): one recorded target-alone run per prompt,
     then each arm's policy through the real loop against it; (speed-up, target forwards,
     seconds), priced by ``profile``; "target-only" holds the target alone's price."""
-    from uag.harness import dryrun
-
     if not policies:
         return {}
     traces: list[dryrun.TargetTrace] = []
@@ -638,12 +631,6 @@ def _exact_predictions(
 
 def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
     """Run the benchmark; ``extra_arms`` lets tests add an arm (e.g. a deliberately broken one)."""
-    import torch
-    from tqdm import tqdm
-
-    from uag.harness.latency import pair_sampler
-    from uag.harness.prompts import load_prompts
-
     if cfg.repeats < 1:
         raise UagError(f"--repeats must be at least 1, got {cfg.repeats}")
     names = parse_policies(cfg.policies)
@@ -657,12 +644,9 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
     policies: dict[str, ArmPolicy] = {}
-    from controllers.spec import parse_policy
 
     lengths = None
     if any(parse_policy(name).lookup for name in names):
-        from uag.harness.calibration import lookup_lengths
-
         lengths = lookup_lengths(pair, quiet=not cfg.progress)
     arms = build_arms(
         names,
@@ -769,8 +753,6 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
 
 def _encoded(pair: Any, prompt: str, *, chat: bool) -> tuple[list[int], list[int]]:
     """The prompt as uag's loop sees it: (target ids, assistant ids)."""
-    from uag.api import encode_prompt, render_prompt
-
     return encode_prompt(pair, render_prompt(pair, prompt, chat=chat))
 
 
@@ -812,6 +794,7 @@ def write_report(
     Both files carry the date (UTC), the git commit (``unknown`` outside a checkout), the machine
     and the command line (``command``; default: this process's own), so a page can cite the
     file instead of copying its table."""
+    # Matplotlib and TensorBoard take seconds to import: only a report pays.
     import matplotlib
 
     matplotlib.use("Agg")

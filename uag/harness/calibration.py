@@ -26,10 +26,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from controllers.rules import NoDraftPolicy
+from uag.api import encode_prompt, render_prompt
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.profile import LatencyProfile
 from uag.errors import UagError
+from uag.harness import dryrun
 from uag.harness.jobs import RunConfig
+from uag.harness.latency import measure_pair_profile
+from uag.kernels import native
 from uag.paths import cache_root
 
 DEFAULT_PROMPTS = "humaneval:train+mixed:train"
@@ -65,8 +72,6 @@ class LookupCalibration:
 def machine_id() -> str:
     """The CPU's model name (``/proc/cpuinfo``, else what ``platform`` knows) and torch's
     thread count: what a verify's price by row count depends on besides the code."""
-    import torch
-
     name = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -84,8 +89,6 @@ def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
     another CPU or thread count, target, kernels or device is another file). Lookup alone never
     runs the assistant, so the lengths are the target's: any assistant, int8 or not, uses them
     (a calibration without ``--assistant-int8`` serves ``generate --controller`` too)."""
-    from uag.kernels import native
-
     lib = native._library()[0] if pair.kernels == "native" else None
     build = Path(getattr(lib, "_name", "")).name
     key = json.dumps(
@@ -138,11 +141,7 @@ def calibrate_lookup(
 ) -> LookupCalibration:
     """Measure, record and search (module docstring); ``prompts`` are ``uag.harness.prompts.Prompt``s.
     ``profile`` prices the replays instead of one measured now (tests: costs chosen at will)."""
-    from controllers.rules import NoDraftPolicy
-    from uag.api import encode_prompt, render_prompt
     from uag.decoding.speculative import MAX_CANDIDATES
-    from uag.harness import dryrun
-    from uag.harness.latency import measure_pair_profile
 
     if not prompts:
         raise UagError("calibration needs at least one prompt")

@@ -23,15 +23,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
+import uag
 from controllers.explore import ExplorePolicy, RoundLog
+from controllers.learned import LearnedPolicy
 from controllers.rules import StaticPolicy
 from training.data import read_meta
+from uag import api
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
 from uag.harness.jobs import RunConfig
+from uag.harness.latency import measure_pair_profile
 from uag.harness.prompts import Prompt, load_prompts
+from uag.runtime.models import resolve_device
 
 ITERATION_COLUMNS = (
     "iter_drafted",
@@ -204,6 +212,7 @@ def rows_for_prompt(
 
 
 def write_part(path: Path, columns: dict[str, np.ndarray]) -> None:
+    # pyarrow is slow to import, and the CLI imports this module at start-up.
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -322,8 +331,6 @@ def _prepare_together(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
     """``_prepare_out`` for shards a launcher started together: shard 0 clears the whole run
     before any other shard looks at the directory (a gloo barrier, through the launcher's
     ``MASTER_ADDR``/``MASTER_PORT``). If shard 0 fails, the launcher stops the others."""
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     try:
         if cfg.shard[0] == 0:
@@ -339,21 +346,14 @@ def _prepare_together(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
 
 def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     """Run the collection described by ``cfg`` (see the module docstring for the layout)."""
-    import torch
+    # Transformers takes seconds to import: only a run pays (the CLI imports this module).
     import transformers
-    from tqdm import tqdm
-
-    import uag
-    from uag.harness.latency import measure_pair_profile
 
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     i, n = cfg.shard
     mine = [p for k, p in enumerate(prompts) if k % n == i]
     learned = None
     if cfg.controller is not None:  # checked before --overwrite clears anything
-        from controllers.learned import LearnedPolicy
-        from uag.runtime.models import resolve_device
-
         learned = LearnedPolicy(cfg.controller, use_cuda=resolve_device(cfg.device).type == "cuda")
     if cfg.launched and cfg.overwrite:
         todo = _prepare_together(cfg, mine)
@@ -388,6 +388,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
     writer = None
     logdir = cfg.logdir
     if logdir is not None:
+        # TensorBoard's writer is slow to import: only with --logdir.
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=str(logdir))
@@ -418,7 +419,7 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
             policy = ExplorePolicy(
                 inner=learned, eps=cfg.explore, lookahead=cfg.max_lookahead, seed=prompt.id
             )
-        out = uag.generate(
+        out = api.generate(
             pair,
             prompt.text,
             policy=policy,

@@ -81,6 +81,7 @@ class LogprobCheck:
 
 
 def _t_quantile(q: float, pairs: int) -> float:
+    # SciPy is slow to import, and the CLI imports this module (through bench) at start-up.
     from scipy.stats import t
 
     return float(t.ppf(q, max(pairs - 1, 1)))
@@ -128,6 +129,7 @@ def pit_value(probs: torch.Tensor, token: int, u: float) -> float:
 
 def uniformity_check(values: Sequence[float]) -> UniformityCheck:
     """One-sample KS test of ``values`` against Uniform(0, 1)."""
+    # SciPy: deferred, as in _t_quantile.
     from scipy.stats import kstest
 
     if not values or not all(math.isfinite(v) for v in values):
@@ -163,6 +165,7 @@ class ExcessCheck:
     @property
     def consistent(self) -> bool:
         """|z| within the two-sided ``FLAG_P`` bound of the normal distribution."""
+        # SciPy: deferred, as in _t_quantile.
         from scipy.stats import norm
 
         return math.isfinite(self.z) and abs(self.z) <= float(norm.ppf(1 - FLAG_P / 2))

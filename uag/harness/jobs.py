@@ -1,16 +1,13 @@
-"""What every prompt-set job (``collect``, ``bench``) is configured with: prompts, output and
-the model pair. Apart from ``uag.api`` (the library surface) so job configs do not drag it in."""
+"""What every prompt-set job (``collect``, ``bench``, ``calibrate``) is configured with: prompts,
+output and the model pair."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from uag.api import Pair, load_pair
 from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
-
-if TYPE_CHECKING:
-    from uag.api import Pair
 
 
 @dataclass
@@ -35,8 +32,6 @@ class RunConfig:
     its head can be cut; 0: every id."""
 
     def load_pair(self) -> Pair:
-        from uag.api import load_pair
-
         return load_pair(
             self.target,
             self.assistant,

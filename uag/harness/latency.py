@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from controllers.rules import StaticPolicy
+from uag import api
 from uag.decoding.profile import PROFILE_CONTEXT, LatencyProfile
 from uag.runtime.runner import CachedLM
 
@@ -200,13 +202,10 @@ def loop_overheads(records: Sequence[Any], *, draft_s: float) -> tuple[float, fl
 def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> LatencyProfile:
     """``profile`` with ``round_s`` and ``catchup_s`` from a real run of the loop (lookahead 2,
     ``tokens`` new tokens after ``PROFILE_TEXT``; a first run warms up)."""
-    import uag
-    from controllers.rules import StaticPolicy
-
     prompt = PROFILE_TEXT.split("    result = []")[0]  # HumanEval/1: the model writes the rest
     records: list[Any] = []
     for _ in range(2):
-        out = uag.generate(pair, prompt, policy=StaticPolicy(k=2), max_new_tokens=tokens)
+        out = api.generate(pair, prompt, policy=StaticPolicy(k=2), max_new_tokens=tokens)
         records = list(out.iterations)
     round_s, catchup_s, lag = loop_overheads(records, draft_s=profile.draft_s)
     return replace(profile, round_s=round_s, catchup_s=catchup_s, catchup_lag=lag)

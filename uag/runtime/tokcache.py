@@ -49,6 +49,8 @@ _FILES = (
 
 def _key(source: Path) -> str | None:
     """A key for the tokenizer in directory ``source``, or None when it has no tokenizer.json."""
+    # Transformers takes seconds to import and the CLI imports this module (through
+    # uag.runtime.models) at start-up: only loading a tokenizer pays.
     import tokenizers
     import transformers
 
@@ -67,6 +69,7 @@ def _key(source: Path) -> str | None:
 def load_tokenizer(source: str) -> Any:
     """``AutoTokenizer.from_pretrained(source)``, from the cache when ``source`` is a checkpoint
     inside ``$UAG_CACHE`` seen before (its byte table then attached as ``TABLE_ATTR``)."""
+    # Transformers: deferred, as in _key.
     from transformers import AutoTokenizer
 
     directory = Path(source).resolve()
@@ -81,6 +84,7 @@ def load_tokenizer(source: str) -> Any:
 
 def _load(source: str, directory: Path, key: str, root: Path) -> Any:
     """The tokenizer of ``directory``: from its pickle when inside ``root`` and seen before."""
+    # Transformers: deferred, as in _key.
     from transformers import AutoTokenizer
 
     if not directory.is_relative_to(root.resolve()):
