@@ -44,7 +44,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_floors_hold_on_the_code_as_it_is(tmp_path):
     result = _lint(_copy(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert " 0 broken" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(
