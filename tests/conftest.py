@@ -50,3 +50,19 @@ def tiny_dirs(tmp_path_factory, tokenizers):
         tok.save_pretrained(path)
         dirs.append(str(path))
     return tuple(dirs)
+
+
+@pytest.fixture(scope="module")
+def cross(tokenizers):
+    """Tiny Gemma target ← tiny Llama assistant (``tests.tiny.cross_pair``), one per module."""
+    from tests.tiny import cross_pair
+
+    return cross_pair(tokenizers)
+
+
+@pytest.fixture(scope="module")
+def similar(tokenizers):
+    """Tiny Gemma target ← a noisy copy of itself (``tests.tiny.same_tokenizer_pair``)."""
+    from tests.tiny import same_tokenizer_pair
+
+    return same_tokenizer_pair(tokenizers, noise=0.05)

@@ -21,7 +21,7 @@ from tests.tiny import one_clean_line, same_tokenizer_pair
 from uag.cli import main
 from uag.decoding.features import FEATURE_NAMES, feature_row
 from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
-from uag.decoding.speculative import IterationRecord
+from uag.decoding.round import IterationRecord
 from uag.errors import UagError
 from uag.harness.collect import CollectConfig, collect, part_path, rows_for_prompt
 from uag.harness.prompts import Prompt, load_prompts

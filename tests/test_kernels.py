@@ -18,7 +18,7 @@ from tests.tiny import (
     q8_0_like,
     same_tokenizer_pair,
 )
-from uag.decoding.speculative import TIE_BOUND
+from uag.decoding.verifiers import TIE_BOUND
 from uag.errors import UagError
 from uag.kernels import choice as kernels
 from uag.kernels import native

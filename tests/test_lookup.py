@@ -10,7 +10,7 @@ import uag
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from controllers.spec import PolicySpec, parse_policy
 from tests.nasty import NASTY_PROMPTS
-from tests.tiny import cross_pair, same_tokenizer_pair
+from tests.tiny import same_tokenizer_pair
 from uag.decoding.lookup import PromptLookup
 from uag.errors import UagError
 
@@ -91,11 +91,6 @@ def test_shrinking_ids_and_bad_settings_are_refused():
         PromptLookup(min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="max_tokens"):
         PromptLookup(max_tokens=(2, 0))
-
-
-@pytest.fixture(scope="module")
-def cross(tokenizers):
-    return cross_pair(tokenizers)
 
 
 REPEATING = "one two three one two three one two three one two"

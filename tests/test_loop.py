@@ -11,7 +11,6 @@ import uag
 from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import (
-    cross_pair,
     feed_both_and_compare,
     logits_after_crop_and_fresh,
     one_row_vs_chunked_logits,
@@ -31,16 +30,6 @@ POLICIES = [
     lambda: ConfidencePolicy(threshold=0.4, max_lookahead=6),
     lambda: EntropyPolicy(threshold=1.5, max_lookahead=6),
 ]
-
-
-@pytest.fixture(scope="module")
-def cross(tokenizers):
-    return cross_pair(tokenizers)
-
-
-@pytest.fixture(scope="module")
-def similar(tokenizers):
-    return same_tokenizer_pair(tokenizers, noise=0.05)
 
 
 @pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
@@ -402,14 +391,14 @@ def test_the_assistant_heals_text_that_ends_in_whitespace(cross, fed):
     waits to be fed (``fed``: the prompt was cached), and a draft among ``fitting`` ids starts
     with the space."""
     from uag.api import encode_prompt
-    from uag.decoding.speculative import _AssistantText
+    from uag.decoding.assistant_text import AssistantText
 
     a, side = cross.assistant_lm, cross.bridge.assistant
     prompt = encode_prompt(cross, "def f():\n")[1]
     a.reset(prompt, rollback=True)
     if fed:
         a.forward()
-    text = _AssistantText(a, cross.bridge)
+    text = AssistantText(a, cross.bridge)
     heal = text.sync(cross.bridge, b"    ", heal=True)
     assert heal == b" " and side.table[a.ids[-1]] == b"\n   "
     assert side.bytes_of(a.ids) + heal == side.bytes_of(prompt) + b"    "
@@ -426,12 +415,12 @@ def test_a_newline_is_healed_after_an_indented_line_only(cross, prompt, healed):
     SmolLM2 never makes), so the newline is taken back; after prose it stays, since the
     assistant would mostly draft it again, a forward that spells nothing new."""
     from uag.api import encode_prompt
-    from uag.decoding.speculative import _AssistantText
+    from uag.decoding.assistant_text import AssistantText
 
     a, side = cross.assistant_lm, cross.bridge.assistant
     ids = encode_prompt(cross, prompt)[1]
     a.reset(ids, rollback=True)
-    text = _AssistantText(a, cross.bridge)
+    text = AssistantText(a, cross.bridge)
     heal = text.sync(cross.bridge, b"\n", heal=True)
     assert heal == (b"\n" if healed else b"")
     assert side.bytes_of(a.ids) + heal == side.bytes_of(ids) + b"\n"
@@ -441,12 +430,12 @@ def test_a_heal_no_draft_can_spell_is_not_made(cross):
     """``spells`` (sampling: ``Intersection.can_heal``) says whether the next draft can spell
     the bytes a heal takes back; where it says no, nothing is taken back."""
     from uag.api import encode_prompt
-    from uag.decoding.speculative import _AssistantText
+    from uag.decoding.assistant_text import AssistantText
 
     a, side = cross.assistant_lm, cross.bridge.assistant
     prompt = encode_prompt(cross, "def f():\n")[1]
     a.reset(prompt, rollback=True)
-    text = _AssistantText(a, cross.bridge)
+    text = AssistantText(a, cross.bridge)
     asked: list[bytes] = []
     heal = text.sync(cross.bridge, b"    ", heal=True, spells=lambda s: bool(asked.append(s)))
     assert heal == b"" and asked == [b" "]
@@ -458,11 +447,11 @@ def test_a_shared_vocabulary_keeps_the_targets_split(similar):
     """Both sides with one tokenizer: the assistant is neither re-encoded across the boundary
     nor healed (the target's own ids are its best context)."""
     from uag.api import encode_prompt
-    from uag.decoding.speculative import _AssistantText
+    from uag.decoding.assistant_text import AssistantText
 
     a = similar.assistant_lm
     prompt = encode_prompt(similar, "def f():\n")[1]
     a.reset(prompt, rollback=True)
-    text = _AssistantText(a, similar.bridge)
+    text = AssistantText(a, similar.bridge)
     assert text.sync(similar.bridge, b"    ", heal=True) == b""
     assert a.ids[: len(prompt)] == prompt

@@ -14,7 +14,7 @@ import uag
 from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import logits_after_crop_and_fresh, one_row_vs_chunked_logits
-from uag.decoding.speculative import TIE_BOUND
+from uag.decoding.verifiers import TIE_BOUND
 from uag.kernels import choice as kernels
 from uag.kernels import native
 from uag.runtime.models import load_model

@@ -14,16 +14,15 @@ from scipy.stats import chisquare
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from uag.api import encode_prompt
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.round import LoopOutput
 from uag.decoding.sampling import (
     PointQ,
     SamplingConfig,
     expected_acceptance,
     processed_probs,
-    speculative_sample,
-    target_only_sample,
     verify_draft,
 )
-from uag.decoding.speculative import LoopOutput
+from uag.decoding.speculative import speculate, target_alone
 from uag.errors import UagError
 from uag.runtime.tokcache import token_bytes_table
 
@@ -327,12 +326,13 @@ def _run_many(pair, prompt_t, prompt_a, cfg, seeds, policy=None, lookup=False):
     drafted = accepted = copied = healed = 0
     for i in seeds:
         run = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=i)
-        out: LoopOutput = speculative_sample(
+        out: LoopOutput = speculate(
             target=pair.target_lm,
             assistant=pair.assistant_lm,
             bridge=pair.bridge,
             intersection=pair.intersection(),
             target_eos=frozenset(),
+            assistant_eos=frozenset(),
             prompt_target_ids=prompt_t,
             prompt_assistant_ids=prompt_a,
             policy=policy or StaticPolicy(k=2),
@@ -457,14 +457,14 @@ def test_target_only_sampling_is_reproducible_and_seeded(tokenizers):
     prompt_t, _ = encode_prompt(pair, "x = 1")
     cfg = SamplingConfig(temperature=1.0, seed=5)
     runs = [
-        target_only_sample(
+        target_alone(
             target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t,
             max_new_tokens=8, sampling=cfg,
         ).ids
         for _ in range(2)
     ]  # fmt: skip
     assert runs[0] == runs[1]
-    other = target_only_sample(
+    other = target_alone(
         target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t, max_new_tokens=8,
         sampling=SamplingConfig(temperature=1.0, seed=6),
     ).ids  # fmt: skip

@@ -156,7 +156,7 @@ def test_replay_prices_what_the_loop_pays_around_forwards():
 
 
 def test_loop_overheads_come_from_the_measured_rounds():
-    from uag.decoding.speculative import IterationRecord
+    from uag.decoding.round import IterationRecord
     from uag.harness.latency import loop_overheads
 
     def rec(drafted: int, draft: float, verify: float, first: float, whole: float, lag: int = 2):

@@ -21,19 +21,13 @@ from controllers.rules import StaticPolicy
 from uag.decoding.bridge import Bridge
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import StopPolicy
+from uag.decoding.round import IterationRecord, StopReason
 from uag.decoding.sampling import (
     Intersection,
     SamplingConfig,
     special_ids,
-    speculative_sample,
-    target_only_sample,
 )
-from uag.decoding.speculative import (
-    IterationRecord,
-    StopReason,
-    speculative_generate,
-    target_only_generate,
-)
+from uag.decoding.speculative import speculate, target_alone
 from uag.errors import UagError
 from uag.kernels.choice import (
     quantize_int8,
@@ -365,42 +359,17 @@ def generate(
     target_ids, assistant_ids = encode_prompt(pair, text_prompt)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
-    if sampling is not None:
-        if policy is None:
-            out = target_only_sample(
-                target=pair.target_lm,
-                target_eos=pair.target.eos_ids,
-                prompt_ids=target_ids,
-                max_new_tokens=max_new_tokens,
-                sampling=sampling,
-                on_tokens=stream,
-            )
-        else:
-            out = speculative_sample(
-                target=pair.target_lm,
-                assistant=pair.assistant_lm,
-                bridge=pair.bridge,
-                intersection=pair.intersection(),
-                target_eos=pair.target.eos_ids,
-                prompt_target_ids=target_ids,
-                prompt_assistant_ids=assistant_ids,
-                policy=policy,
-                max_new_tokens=max_new_tokens,
-                sampling=sampling,
-                on_tokens=stream,
-                keep_steps=keep_steps,
-                lookup=lookup,
-            )
-    elif policy is None:
-        out = target_only_generate(
+    if policy is None:
+        out = target_alone(
             target=pair.target_lm,
             target_eos=pair.target.eos_ids,
             prompt_ids=target_ids,
             max_new_tokens=max_new_tokens,
+            sampling=sampling,
             on_tokens=stream,
         )
     else:
-        out = speculative_generate(
+        out = speculate(
             target=pair.target_lm,
             assistant=pair.assistant_lm,
             bridge=pair.bridge,
@@ -410,6 +379,8 @@ def generate(
             prompt_assistant_ids=assistant_ids,
             policy=policy,
             max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            intersection=pair.intersection() if sampling is not None else None,
             on_tokens=stream,
             keep_steps=keep_steps,
             lookup=lookup,

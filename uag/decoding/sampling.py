@@ -16,39 +16,21 @@ maps them wrongly). Special tokens are left out on both sides: their literal tex
 they mean.
 
 Processing (``SamplingConfig``): temperature, then top-k, then top-p, as Transformers orders its
-warpers; target-alone sampling (``target_only_sample``) and verification use the same
+warpers; target-alone sampling (``uag.decoding.speculative.target_alone``) and verification use the same
 ``processed_probs`` on the same logits (``CachedLM.full_logits``), so "the target's
 distribution" is one definition, not two.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from uag.decoding.bridge import Bridge, ends_on_char_boundary
-from uag.decoding.features import repeat_length
-from uag.decoding.lookup import PromptLookup
-from uag.decoding.policy import DraftStep, StopPolicy
-from uag.decoding.speculative import (
-    MAX_CANDIDATES,
-    IterationRecord,
-    LoopOutput,
-    OnTokens,
-    StopReason,
-    _Agreement,
-    _AssistantText,
-    _clip,
-    _commit,
-    target_only_loop,
-)
+from uag.decoding.bridge import Bridge
 from uag.errors import UagError
-from uag.runtime.runner import CachedLM
 
 NUCLEUS_RATIOS = (1e-3, 1e-6)
 """Top-p first sorts only the tokens at least this share of the most probable one's mass (a
@@ -198,7 +180,7 @@ class Intersection:
 
     def healed(self, spell: bytes) -> Intersection:
         """The intersection for a draft that must first spell ``spell`` again (token healing,
-        ``uag.decoding.speculative._AssistantText.sync``): an assistant id stands for the target id
+        ``uag.decoding.assistant_text.AssistantText.sync``): an assistant id stands for the target id
         spelling what follows ``spell`` in its bytes, when that is exactly one target token.
 
         Why: the healed assistant drafts ``·return`` where the target's text already ends in
@@ -375,7 +357,7 @@ def expected_acceptance(
     return tuple(prefix), tuple(rates)
 
 
-class _Processed:
+class ProcessedRows:
     """Row i of the target's processed distribution, computed the first time it is asked for
     (verification stops at the first rejection)."""
 
@@ -387,204 +369,3 @@ class _Processed:
         if i not in self.done:
             self.done[i] = processed_probs(self.logits[i : i + 1], self.sampling)[0]
         return self.done[i]
-
-
-def target_only_sample(
-    *,
-    target: CachedLM,
-    target_eos: frozenset[int],
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    on_tokens: OnTokens | None = None,
-) -> LoopOutput:
-    """The reference: the target alone, one sample of ``processed_probs`` per step."""
-    gen = sampling.generator()
-    return target_only_loop(
-        target=target,
-        target_eos=target_eos,
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new_tokens,
-        on_tokens=on_tokens,
-        next_token=lambda hidden: categorical(
-            processed_probs(target.full_logits(hidden), sampling)[0], gen
-        ),
-    )
-
-
-def speculative_sample(
-    *,
-    target: CachedLM,
-    assistant: CachedLM,
-    bridge: Bridge,
-    intersection: Intersection,
-    target_eos: frozenset[int],
-    prompt_target_ids: Sequence[int],
-    prompt_assistant_ids: Sequence[int],
-    policy: StopPolicy,
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    on_tokens: OnTokens | None = None,
-    keep_steps: bool = False,
-    lookup: PromptLookup | None = None,
-) -> LoopOutput:
-    """TLI speculative sampling: distributed exactly as ``target_only_sample``, in fewer passes.
-
-    Each round: sync the assistant to the target's text (re-encoded and healed at whitespace,
-    as in greedy UAG); draft from the restricted assistant distribution, each drafted assistant
-    token standing for one target token (after healing, the first one for the token that
-    follows the healed text: ``Intersection.healed``); one target forward over the pending
-    token and the drafted ones; then ``verify_draft``. The assistant keeps the drafted tokens
-    inside the emitted text.
-    ``keep_steps`` (collection) keeps each round's draft steps and their soft labels
-    (``expected_acceptance``). With ``lookup``, a round whose last target tokens occurred before
-    verifies their old continuation instead (``PointQ``: each copied token is kept with
-    probability ``p``), and nothing is drafted.
-    """
-    clock = time.perf_counter
-    gen = sampling.generator()
-    started = clock()
-    policy.reset()
-    target.reset(prompt_target_ids, rollback=True)
-    assistant.reset(prompt_assistant_ids, rollback=True)
-    t_start = len(target.ids)
-    text = bytearray()
-    a_text = _AssistantText(assistant, bridge)
-    records: list[IterationRecord] = []
-    reason: StopReason = "max_new_tokens"
-    agreement = _Agreement()
-    target_vocab = target.vocab_size
-    rich = keep_steps or policy.needs_features  # the ``repeat`` feature reads the prompt's text
-    prompt_bytes = bridge.target.bytes_of(prompt_target_ids) if rich else b""
-    if lookup is not None:
-        lookup.reset()
-
-    while (room := max_new_tokens - (len(target.ids) - t_start)) > 0:
-        t0 = clock()
-        proposal: list[int] = []
-        if lookup is not None and target.cached and room > 1:
-            proposal, _ = lookup.propose(target.ids, limit=min(room - 1, MAX_CANDIDATES))
-        heal = b""  # text the first draft must spell again (``Intersection.healed``)
-        if not proposal:
-            heal = a_text.sync(bridge, text, heal=True, spells=intersection.can_heal)
-        healed = len(heal)
-        bridge_s = clock() - t0
-        ctx = agreement.context(
-            iteration=len(records),
-            generated=len(target.ids) - t_start,
-            remaining=room,
-            target_prob=math.nan,
-            target_entropy=math.nan,
-            lag=len(assistant.ids) - assistant.cached,
-        )
-        t0 = clock()
-        ready = ends_on_char_boundary(text) and room > 1 and target.cached > 0 and not proposal
-        budget = policy.budget(ctx) if ready else 0
-        policy_s = clock() - t0
-        if assistant.cached == len(assistant.ids):
-            budget = 0  # nothing new to feed the assistant: no fresh distribution to draft from
-        committed = a_text.count
-        steps: list[DraftStep] = []
-        draft: list[int] = []
-        q_assistant: list[tuple[torch.Tensor, Intersection]] = []
-        draft_s = 0.0
-        cum_logprob, min_prob = 0.0, 1.0
-        for position in range(1, min(budget, room - 1, MAX_CANDIDATES) + 1):
-            t0 = clock()
-            logits = assistant.logits(assistant.forward()[-1:])
-            among = intersection
-            if heal:  # its distribution given that its token spells ``heal`` first, processed
-                among = intersection.healed(heal)
-                logits = logits.masked_fill(among.to_target < 0, -math.inf)
-            q = among.restrict(processed_probs(logits, sampling)[0])
-            if q is None:
-                draft_s += clock() - t0
-                break
-            aid = categorical(q, gen)
-            top = torch.topk(q, 2).values
-            draft_s += clock() - t0
-            respelled, heal = len(heal), b""  # a healed id spells all of it, then one token
-            a_text.append([aid])
-            draft.append(int(among.to_target[aid]))
-            q_assistant.append((q, among))
-            cum_logprob += math.log(max(float(q[aid]), 1e-30))
-            min_prob = min(min_prob, float(q[aid]))
-            step = DraftStep(
-                position=position,
-                token_id=aid,
-                token_bytes=bridge.assistant.table[aid],
-                prob=float(q[aid]),
-                entropy=float(-(q * torch.log(q.clamp_min(1e-30))).sum()),
-                margin=float(top[0] - top[1]),
-                cum_logprob=cum_logprob,
-                min_prob=min_prob,
-                target_tokens=1,
-                context=ctx,
-                repeat=repeat_length(prompt_bytes + a_text.generated) if rich else 0,
-                respelled=respelled,
-            )
-            if keep_steps:
-                steps.append(step)
-            t0 = clock()
-            halt = policy.stop(step)
-            policy_s += clock() - t0
-            if halt:
-                break
-
-        q_rows: list[TargetQ] = [TargetQ(q, among, target_vocab) for q, among in q_assistant]
-        if proposal:
-            draft, q_rows = proposal, [PointQ(t, target_vocab) for t in proposal]
-        t0 = clock()
-        base = len(target.ids)
-        target.ids.extend(draft)
-        rows = target.full_logits(target.forward()[-(len(draft) + 1) :])  # [m + 1, V]
-        p_row = _Processed(rows, sampling)
-        emitted, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=gen)
-        soft: tuple[float, ...] = ()
-        rates: tuple[float, ...] = ()
-        if keep_steps and not proposal:
-            soft, rates = expected_acceptance(draft, q_rows, p_row)
-        emitted, hit_eos = _clip(emitted, eos_ids=target_eos, room=room)
-        in_cache = _commit(target, base=base, accepted=accepted, emitted=emitted)
-        verify_s = clock() - t0
-        text += bridge.target.bytes_of(emitted)
-        if on_tokens:
-            on_tokens(emitted)
-
-        t0 = clock()
-        drafted = 0 if proposal else len(draft)
-        outcome = agreement.settle(a_text, text, committed=committed, drafted=drafted)
-        bridge_s += clock() - t0
-        if proposal:  # the policy was not asked this round
-            agreement.note_copy(candidates=len(draft), emitted=len(emitted))
-        else:
-            policy.update(outcome)
-        records.append(
-            IterationRecord(
-                drafted=drafted,
-                candidates=len(draft),
-                accepted_candidates=in_cache,
-                emitted=len(emitted),
-                accepted_drafts=outcome.accepted,
-                draft_s=draft_s,
-                verify_s=verify_s,
-                bridge_s=bridge_s,
-                policy_s=policy_s,
-                steps=tuple(steps),
-                accept_probs=soft,
-                accept_rates=rates,
-                lookup=bool(proposal),
-                lag=ctx.lag if drafted else 0,
-                healed=healed,
-            )
-        )
-        if hit_eos:
-            reason = "eos"
-            break
-
-    return LoopOutput(
-        ids=target.ids[t_start:],
-        stop_reason=reason,
-        seconds=clock() - started,
-        iterations=records,
-    )

@@ -32,6 +32,7 @@ from controllers.rules import NoDraftPolicy
 from uag.api import encode_prompt, render_prompt
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.profile import LatencyProfile
+from uag.decoding.round import MAX_CANDIDATES
 from uag.errors import UagError
 from uag.harness import dryrun
 from uag.harness.jobs import RunConfig
@@ -141,8 +142,6 @@ def calibrate_lookup(
 ) -> LookupCalibration:
     """Measure, record and search (module docstring); ``prompts`` are ``uag.harness.prompts.Prompt``s.
     ``profile`` prices the replays instead of one measured now (tests: costs chosen at will)."""
-    from uag.decoding.speculative import MAX_CANDIDATES
-
     if not prompts:
         raise UagError("calibration needs at least one prompt")
     say = progress or (lambda _: None)

@@ -26,7 +26,8 @@ import torch
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import StopPolicy
 from uag.decoding.profile import LatencyProfile
-from uag.decoding.speculative import IterationRecord, speculative_generate, target_only_loop
+from uag.decoding.round import IterationRecord, target_only_loop
+from uag.decoding.speculative import speculate
 from uag.runtime.runner import CachedLM
 
 
@@ -154,7 +155,7 @@ def replay(
     """The loop's rounds for ``policy`` on the recorded prompt. The output is the record's by
     construction, so nothing here can tell a record of another target: make it with
     ``record_trace`` on this pair."""
-    out = speculative_generate(
+    out = speculate(
         target=cast(CachedLM, _KnownTarget(trace)),
         assistant=pair.assistant_lm,
         bridge=pair.bridge,

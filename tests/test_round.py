@@ -1,0 +1,140 @@
+"""The round written once (``uag.decoding.round``): drafters plug in, the output stays the
+target's whatever they propose, and the time split is one stopwatch's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import uag
+from controllers.rules import StaticPolicy
+from tests.nasty import NASTY_PROMPTS
+from uag.api import encode_prompt
+from uag.decoding.drafters import LookupDrafter, LookupFirst, NoDraft
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.round import Drafter, Proposal, Session, decode
+from uag.decoding.speculative import target_alone
+from uag.decoding.stopwatch import Stopwatch
+from uag.decoding.verifiers import GreedyVerifier
+
+
+def _session(pair, prompt: str, *, max_new_tokens: int) -> Session:
+    target_ids, _ = encode_prompt(pair, prompt)
+    return Session(
+        target=pair.target_lm,
+        bridge=pair.bridge,
+        target_eos=pair.target.eos_ids,
+        prompt_ids=target_ids,
+        max_new_tokens=max_new_tokens,
+        verifier=GreedyVerifier(),
+    )
+
+
+def _reference(pair, prompt: str, *, max_new_tokens: int) -> list[int]:
+    target_ids, _ = encode_prompt(pair, prompt)
+    return target_alone(
+        target=pair.target_lm,
+        target_eos=pair.target.eos_ids,
+        prompt_ids=target_ids,
+        max_new_tokens=max_new_tokens,
+    ).ids
+
+
+class _ScriptedDrafter:
+    """A third drafter the round has never heard of: it proposes ``propose(ids)`` target ids."""
+
+    def __init__(self, propose) -> None:
+        self._propose = propose
+        self.settled: list[tuple[int, bool]] = []
+
+    def reset(self, session: Session) -> None:
+        self.settled.clear()
+
+    def propose(self, session: Session, *, clock: Stopwatch) -> Proposal:
+        ids = self._propose(list(session.target.ids))[: max(session.room - 1, 0)]
+        return Proposal(candidates=ids)
+
+    def settle(self, session, *, proposal, emitted, chosen, clock) -> int:
+        self.settled.append((len(emitted), chosen))
+        return 0
+
+
+class _Always:
+    """Choose one drafter every round but the first (the prompt is prefilled alone)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafters = (drafter,)
+
+    def choose(self, session: Session) -> Drafter | None:
+        return self.drafters[0] if session.target.cached else None
+
+
+@pytest.mark.parametrize(
+    "name", ["emoji_run", "cjk", "python_deep_indent", "crlf", "byte_fallback"]
+)
+def test_the_round_with_no_drafter_is_the_target_alone(cross, name):
+    prompt = NASTY_PROMPTS[name]
+    ref = _reference(cross, prompt, max_new_tokens=12)
+    out = decode(
+        session=_session(cross, prompt, max_new_tokens=12), choice=NoDraft(), on_tokens=None
+    )
+    assert out.ids == ref
+    assert all(r.candidates == 0 and r.emitted == 1 for r in out.iterations)
+    assert len(out.iterations) == len(ref)
+
+
+def test_any_drafter_plugs_into_the_round_and_the_output_stays_the_targets(cross):
+    prompt = "def add(a, b):\n    return"
+    ref = _reference(cross, prompt, max_new_tokens=20)
+    prompt_len = len(encode_prompt(cross, prompt)[0])
+    rng = random.Random(0)
+    vocab = cross.target_lm.vocab_size
+
+    def junk(ids: list[int]) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+
+    def oracle(ids: list[int]) -> list[int]:
+        done = len(ids) - prompt_len
+        return ref[done : done + 4]
+
+    for propose in (junk, oracle):
+        drafter = _ScriptedDrafter(propose)
+        out = decode(
+            session=_session(cross, prompt, max_new_tokens=20),
+            choice=_Always(drafter),
+            on_tokens=None,
+        )
+        assert out.ids == ref
+        assert [n for n, _ in drafter.settled] == [r.emitted for r in out.iterations]
+        assert [chosen for _, chosen in drafter.settled][1:] == [True] * (len(out.iterations) - 1)
+    # the oracle's copies are all accepted: 4 candidates + 1 of the target's own per round
+    assert all(r.accepted_candidates == r.candidates for r in out.iterations)
+    assert len(out.iterations) < len(ref)
+
+
+def test_lookup_alone_is_a_drafter_in_the_fixed_choice(similar):
+    prompt = "1 2 3 1 2 3 1 2 3 1 2"
+    ref = _reference(similar, prompt, max_new_tokens=24)
+    choice = LookupFirst(lookup=LookupDrafter(PromptLookup()))
+    out = decode(
+        session=_session(similar, prompt, max_new_tokens=24), choice=choice, on_tokens=None
+    )
+    assert out.ids == ref
+    assert any(r.lookup and r.candidates for r in out.iterations)
+    assert all(r.drafted == 0 for r in out.iterations)
+
+
+def test_the_time_split_is_disjoint_phases_of_the_round(similar):
+    out = uag.generate(
+        similar,
+        "def f(x):\n    return",
+        policy=StaticPolicy(k=3),
+        max_new_tokens=24,
+        lookup=PromptLookup(),
+    )
+    for r in out.iterations:
+        phases = r.draft_s + r.verify_s + r.bridge_s + r.policy_s
+        assert 0 < phases <= r.round_s
+        assert r.first_draft_s <= r.draft_s
+    assert any(r.drafted for r in out.iterations)

@@ -1,0 +1,143 @@
+"""What the target keeps of a round's candidates: greedy argmax match, or speculative sampling.
+
+Both judge the rows of one target forward over the pending token and the candidates; the round
+(``uag.decoding.round.verify``) runs that forward and commits what they return.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from uag.decoding.round import Proposal, Session, Verdict
+from uag.decoding.sampling import (
+    PointQ,
+    ProcessedRows,
+    SamplingConfig,
+    TargetQ,
+    expected_acceptance,
+    verify_draft,
+)
+from uag.runtime.runner import CachedLM, HeadOutput
+
+TIE_BOUND = 4e-3
+"""Logit margin under which a verified position is recomputed alone (non-invariant kernels).
+Row-count differences measured on the real target: ≤ 9e-5 per logit end to end (MKL and oneDNN
+linears, fused attention), so a flip needs a margin under ~2e-4; this bound is 20x that."""
+
+
+class GreedyVerifier:
+    """Keep the longest candidate prefix equal to the target's own argmax, then the target's
+    token after it (the correction at the first mismatch, or the bonus after a full match): the
+    output is exactly the target's, and every round makes progress.
+
+    With row-count-invariant kernels that is bitwise what target-alone computes. With other
+    kernels (CUDA, ``--kernels plain``) a row may round differently by up to ~1e-4 in a logit,
+    so a verified position whose top-2 margin is under ``TIE_BOUND`` is recomputed alone, as
+    target-alone computes it.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._head: HeadOutput | None = None
+        self._alone: HeadOutput | None = None
+        self._accepted = 0
+        # The head row that chose the last emitted token, its statistics not yet read: computed
+        # (~0.6 ms) only when a round asks for them, not after every copied round.
+        self._last_row: tuple[HeadOutput, int] | None = None
+        self._stats = (math.nan, math.nan)
+
+    def judge(
+        self, session: Session, *, base: int, hidden: torch.Tensor, proposal: Proposal
+    ) -> Verdict:
+        target, candidates = session.target, proposal.candidates
+        head = target.greedy(hidden[-(len(candidates) + 1) :])
+        preds = head.ids  # [m + 1]: the target's choice after the pending token and each candidate
+        accepted = 0
+        while accepted < len(candidates) and candidates[accepted] == preds[accepted]:
+            accepted += 1
+        alone: HeadOutput | None = None  # the tied row's choice, recomputed in a one-row forward
+        if candidates and not target.row_invariant:
+            tie = _first_near_tie(head, upto=accepted)
+            if tie is not None:  # the candidates before it stand; its choice is recomputed
+                accepted = tie
+                alone = _recompute_alone(target, row=tie, base=base)
+                preds = [*preds[:tie], alone.ids[0]]
+        self._head, self._alone, self._accepted = head, alone, accepted
+        return Verdict(
+            accepted=accepted,
+            emitted=[*candidates[:accepted], preds[accepted]],
+            recomputed=int(alone is not None),
+        )
+
+    def committed(self, session: Session, *, emitted: int) -> None:
+        """Keep the head row that chose the last emitted token: the next round's features."""
+        if not session.rich or self._head is None:
+            return
+        last = emitted - 1
+        if self._alone is not None and last == self._accepted:
+            self._last_row = (self._alone, 0)
+        else:
+            self._last_row = (self._head, last)
+
+    def target_stats(self) -> tuple[float, float]:
+        if self._last_row is not None:
+            self._stats = self._last_row[0].stats(self._last_row[1])
+            self._last_row = None
+        return self._stats
+
+
+def _first_near_tie(head: HeadOutput, *, upto: int) -> int | None:
+    """The first head row in ``0..upto`` whose top-2 logit margin is under ``TIE_BOUND``."""
+    return next((row for row in range(upto + 1) if head.margin(row) < TIE_BOUND), None)
+
+
+def _recompute_alone(target: CachedLM, *, row: int, base: int) -> HeadOutput:
+    """The target's choice after verified row ``row``, computed in a one-row forward.
+
+    ``base`` is ``len(target.ids)`` before the candidates were appended, so row ``row`` fed id
+    ``base - 1 + row``. The cache keeps everything before it; the id is fed again alone.
+    """
+    fed = target.ids[base - 1 + row]
+    target.truncate(base - 1 + row)
+    target.ids.append(fed)
+    return target.greedy(target.forward()[-1:])
+
+
+class SamplingVerifier:
+    """Speculative sampling's accept/resample rule (``uag.decoding.sampling.verify_draft``) on
+    the target's processed distribution: every emitted token is distributed as the target's
+    own. A copied candidate is a point mass (accepted with probability ``p(token)``)."""
+
+    def __init__(self, *, sampling: SamplingConfig, gen: torch.Generator) -> None:
+        self.sampling, self.gen = sampling, gen
+
+    def reset(self) -> None:
+        pass
+
+    def judge(
+        self, session: Session, *, base: int, hidden: torch.Tensor, proposal: Proposal
+    ) -> Verdict:
+        target, draft = session.target, proposal.candidates
+        rows = target.full_logits(hidden[-(len(draft) + 1) :])  # [m + 1, V]
+        p_row = ProcessedRows(rows, self.sampling)
+        q_rows: list[TargetQ] = (
+            proposal.q_rows
+            if proposal.q_rows is not None
+            else [PointQ(t, target.vocab_size) for t in draft]
+        )
+        emitted, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=self.gen)
+        soft: tuple[float, ...] = ()
+        rates: tuple[float, ...] = ()
+        if session.keep_steps and proposal.q_rows is not None:
+            soft, rates = expected_acceptance(draft, q_rows, p_row)
+        return Verdict(accepted=accepted, emitted=emitted, accept_probs=soft, accept_rates=rates)
+
+    def committed(self, session: Session, *, emitted: int) -> None:
+        pass
+
+    def target_stats(self) -> tuple[float, float]:
+        return (math.nan, math.nan)
