@@ -10,7 +10,7 @@ One round::
              keeps the prefix the target agrees with and adds the target's own next token
              (greedy: the argmax match; sampling: accept/resample, so every emitted token has
              the target's distribution)
-    commit   the emitted tokens join the target's ids, cut at EOS and at max_new_tokens
+    accept   the emitted tokens join the target's ids, cut at EOS and at max_new_tokens
     settle   every drafter is told what was accepted (the assistant keeps its drafted tokens
              inside the accepted text; policies adapt)
     record   the round's counts and time split (``IterationRecord``)
@@ -286,11 +286,12 @@ def decode(*, session: Session, choice: DrafterChoice, on_tokens: OnTokens | Non
     started = time.perf_counter()
     start(session, choice)
     reason: StopReason = "max_new_tokens"
-    while session.room > 0:
+    while (room := session.room) > 0:
         clock = Stopwatch()
         drafter = choose(session, choice, clock=clock)
         proposal = propose(session, drafter, clock=clock)
-        verdict, emitted, in_cache, hit_eos = verify(session, proposal, clock=clock)
+        base, verdict = verify(session, proposal, clock=clock)
+        emitted, in_cache, hit_eos = accept(session, verdict, base=base, room=room, clock=clock)
         if on_tokens:
             on_tokens(emitted)
         accepted = settle(session, choice, drafter, proposal=proposal, emitted=emitted, clock=clock)
@@ -336,23 +337,28 @@ def propose(session: Session, drafter: Drafter | None, *, clock: Stopwatch) -> P
     return Proposal() if drafter is None else drafter.propose(session, clock=clock)
 
 
-def verify(
-    session: Session, proposal: Proposal, *, clock: Stopwatch
-) -> tuple[Verdict, list[int], int, bool]:
-    """One target forward over the pending token(s) and the candidates, judged and committed:
-    ``(verdict, emitted, emitted tokens already cached, hit EOS)``."""
+def verify(session: Session, proposal: Proposal, *, clock: Stopwatch) -> tuple[int, Verdict]:
+    """One target forward over the pending token(s) and the candidates, judged by the
+    verifier: ``(the target's length before the candidates, verdict)``."""
     target = session.target
-    room = session.room
     with clock("verify"):
         base = len(target.ids)
         target.ids.extend(proposal.candidates)
         hidden = target.forward()
-        verdict = session.verifier.judge(session, base=base, hidden=hidden, proposal=proposal)
+        return base, session.verifier.judge(session, base=base, hidden=hidden, proposal=proposal)
+
+
+def accept(
+    session: Session, verdict: Verdict, *, base: int, room: int, clock: Stopwatch
+) -> tuple[list[int], int, bool]:
+    """Commit the verdict, cut at EOS and at ``room``: ``(emitted, emitted tokens already
+    cached, hit EOS)``. Counted as verify time (cache bookkeeping of that forward)."""
+    with clock("verify"):
         emitted, hit_eos = clip(verdict.emitted, eos_ids=session.target_eos, room=room)
-        in_cache = commit(target, base=base, accepted=verdict.accepted, emitted=emitted)
+        in_cache = commit(session.target, base=base, accepted=verdict.accepted, emitted=emitted)
         session.verifier.committed(session, emitted=len(emitted))
     session.text += session.bridge.target.bytes_of(emitted)
-    return verdict, emitted, in_cache, hit_eos
+    return emitted, in_cache, hit_eos
 
 
 def settle(
