@@ -75,7 +75,7 @@ class TokenText:
 
     def fitting(self, text: bytes, *, below: int) -> np.ndarray:
         """Ids under ``below`` whose bytes could start a sequence spelling ``text``: those that
-        begin with it and its non-empty prefixes (token healing, ``uag.decoding.speculative``), as int64
+        begin with it and its non-empty prefixes (token healing, ``uag.decoding.assistant_text``), as int64
         (a draft step indexes logits with them). Cached: the texts asked about are few (a
         space, a tab, newlines)."""
         key = (text, below)
@@ -200,7 +200,7 @@ class Bridge:
     def shared_vocabulary(self) -> bool:
         """Both sides spell every id the same: the target's own ids are the assistant's best
         context, so the assistant is not re-encoded across boundaries nor healed
-        (``TokenText.resync``, ``uag.decoding.speculative``)."""
+        (``TokenText.resync``, ``uag.decoding.assistant_text``)."""
         return self.target.table == self.assistant.table
 
     def tail(self, side: TokenText, ids: Sequence[int]) -> bytes:

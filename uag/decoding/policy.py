@@ -82,7 +82,7 @@ class DraftStep:
     does not compute features."""
     respelled: int = 0
     """Bytes at the start of this token that spell text the target already emitted: the
-    assistant's last token was taken back and drafted again (token healing, ``uag.decoding.speculative``),
+    assistant's last token was taken back and drafted again (token healing, ``uag.decoding.assistant_text``),
     so they are accepted whatever comes next."""
 
 

@@ -16,7 +16,7 @@ maps them wrongly). Special tokens are left out on both sides: their literal tex
 they mean.
 
 Processing (``SamplingConfig``): temperature, then top-k, then top-p, as Transformers orders its
-warpers; target-alone sampling (``uag.decoding.speculative.target_alone``) and verification use the same
+warpers; target-alone sampling (``speculative.target_alone``) and verification use the same
 ``processed_probs`` on the same logits (``CachedLM.full_logits``), so "the target's
 distribution" is one definition, not two.
 """
