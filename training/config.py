@@ -6,10 +6,12 @@ flags' defaults from here without paying for that import on every command.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from uag.errors import UagError
+from uag.paths import unwritable
 
 
 @dataclass
@@ -58,5 +60,13 @@ class TrainConfig:
                 f"--report-fraction must be in [0, 1) and leave training prompts beside the "
                 f"validation share {self.val_fraction}, got {self.report_fraction}"
             )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise UagError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.seed < 2**32:
+            raise UagError(f"--seed must be from 0 to 2**32 - 1, got {self.seed}")
+        for flag, path, directory in (("--out", self.out, False), ("--logdir", self.logdir, True)):
+            problem = unwritable(Path(path), directory=directory)
+            if problem is not None:
+                raise UagError(f"{flag}: {problem}")
         if self.decision not in ("cost", "threshold"):
             raise UagError(f"--decision must be cost or threshold, got {self.decision!r}")

@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import TensorBoardLogger
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
@@ -101,11 +102,44 @@ def _baselines(train: Collected, val: Collected) -> dict[str, float]:
     }
 
 
+def _trainer(cfg: TrainConfig) -> L.Trainer:
+    """The Lightning trainer; Lightning's refusal of the hardware flags becomes one line."""
+    logger = TensorBoardLogger(save_dir=str(cfg.logdir), name="controller", default_hp_metric=False)
+    # Lightning's start-up chatter (accelerator lines, an advert) and a deprecation warning from
+    # its own pytree helper are not the user's business; real warnings still show.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    try:
+        return L.Trainer(
+            max_epochs=cfg.max_epochs,
+            accelerator=cfg.accelerator,
+            devices=cfg.devices,
+            strategy=cfg.strategy,
+            num_nodes=cfg.num_nodes,
+            logger=logger,
+            enable_checkpointing=False,
+            enable_progress_bar=cfg.progress,
+            enable_model_summary=False,
+            deterministic=True,
+            log_every_n_steps=1,
+            use_distributed_sampler=False,  # ControllerDataModule shards batches itself
+        )
+    except (MisconfigurationException, ValueError, TypeError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UagError(
+            f"Lightning refuses --accelerator {cfg.accelerator} --devices {cfg.devices} "
+            f"--strategy {cfg.strategy} --num-nodes {cfg.num_nodes}: {first}"
+        ) from exc
+
+
 def train(cfg: TrainConfig) -> TrainSummary | None:
     """Train, tune thresholds by replay on the validation (tune) prompts, report on the report
     prompts when there are any, export ONNX; None in every process but the first of a
     multi-process run (``--devices N --strategy ddp``)."""
     L.seed_everything(cfg.seed, verbose=False)
+    trainer = _trainer(cfg)  # first: a bad --accelerator, --devices or --strategy fails at once
+    logger = trainer.logger
+    assert isinstance(logger, TensorBoardLogger)
     dm = ControllerDataModule(
         cfg.data,
         val_fraction=cfg.val_fraction,
@@ -129,25 +163,6 @@ def train(cfg: TrainConfig) -> TrainSummary | None:
         pos_weight=pos_weight,
         lr=cfg.lr,
         val_data=replay_set,
-    )
-    logger = TensorBoardLogger(save_dir=str(cfg.logdir), name="controller", default_hp_metric=False)
-    # Lightning's start-up chatter (accelerator lines, an advert) and a deprecation warning from
-    # its own pytree helper are not the user's business; real warnings still show.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    trainer = L.Trainer(
-        max_epochs=cfg.max_epochs,
-        accelerator=cfg.accelerator,
-        devices=cfg.devices,
-        strategy=cfg.strategy,
-        num_nodes=cfg.num_nodes,
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=cfg.progress,
-        enable_model_summary=False,
-        deterministic=True,
-        log_every_n_steps=1,
-        use_distributed_sampler=False,  # ControllerDataModule shards batches itself
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")

@@ -295,11 +295,19 @@ def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:
     tok = pair.target.tokenizer
     if not getattr(tok, "chat_template", None):
         raise UagError(f"--chat: target {pair.target.ref!r} has no chat template")
-    return str(
-        tok.apply_chat_template(
+    try:
+        rendered = tok.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    )
+    # jinja2's TemplateError, Transformers' ValueError...: the model's template, not uag's code.
+    except Exception as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UagError(
+            f"--chat: target {pair.target.ref!r}'s chat template fails: {first}"
+        ) from exc
+    if not str(rendered).strip():
+        raise UagError("prompt is empty after the target's chat template")
+    return str(rendered)
 
 
 def encode_prompt(pair: Pair, text: str) -> tuple[list[int], list[int]]:
@@ -315,7 +323,8 @@ def encode_prompt(pair: Pair, text: str) -> tuple[list[int], list[int]]:
     return encode(pair.target), encode(pair.assistant)
 
 
-def _check_prompt(prompt: object) -> str:
+def check_prompt(prompt: object) -> str:
+    """``prompt`` as the one prompt text to generate from, or a ``UagError`` saying why not."""
     if isinstance(prompt, (list, tuple)):
         if len(prompt) != 1:
             raise UagError(
@@ -324,9 +333,31 @@ def _check_prompt(prompt: object) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise UagError(f"prompt must be a string, got {type(prompt).__name__}")
-    if not prompt:
-        raise UagError("prompt is empty")
+    if not prompt.strip():
+        raise UagError("prompt is empty" if not prompt else "prompt is only whitespace")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate: bytes that were not UTF-8 upstream
+        raise UagError(
+            f"prompt is not valid text: {prompt[err.start]!r} at character {err.start} is a lone "
+            "surrogate (bytes that were not UTF-8, e.g. in a shell argument)"
+        ) from None
     return prompt
+
+
+def _check_length(pair: Pair, target_ids: list[int], assistant_ids: list[int], new: int) -> None:
+    """Refuse a prompt either model reads as no tokens, or one the target's context cannot hold
+    with ``new`` tokens after it (uag never runs the target past the positions it was trained
+    for)."""
+    if not target_ids or not assistant_ids:
+        raise UagError("prompt encodes to no tokens")
+    context = pair.target.context
+    if context is not None and len(target_ids) + new > context:
+        raise UagError(
+            f"prompt is {len(target_ids)} target tokens and max_new_tokens {new}: more than "
+            f"the target's context of {context} tokens (shorten the prompt or lower "
+            "--max-new-tokens)"
+        )
 
 
 def generate(
@@ -347,7 +378,7 @@ def generate(
     ``on_text`` receives decoded text as it is accepted (whole characters only). ``lookup``
     verifies copied continuations before drafting (``uag.decoding.lookup``).
     """
-    text_prompt = render_prompt(pair, _check_prompt(prompt), chat=chat)
+    text_prompt = render_prompt(pair, check_prompt(prompt), chat=chat)
     if max_new_tokens < 1:
         raise UagError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if policy == "default":
@@ -357,6 +388,7 @@ def generate(
     if lookup is not None and policy is None:
         raise UagError("prompt lookup runs in the speculative loop: not with target-only")
     target_ids, assistant_ids = encode_prompt(pair, text_prompt)
+    _check_length(pair, target_ids, assistant_ids, max_new_tokens)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
     if policy is None:

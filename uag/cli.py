@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import secrets
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -94,6 +96,22 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
     return number
+
+
+def _finite(flag: str) -> Any:
+    """An argparse type: a finite float (``nan`` and ``inf`` parse as floats, and mean nothing
+    here); each flag's range is checked where its value is used."""
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number, got {value!r}")
+        return number
+
+    return parse
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -226,7 +244,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threshold",
-        type=float,
+        type=_finite("--threshold"),
         default=None,
         help="confidence: stop below this probability (0.4); entropy: stop above this many nats (1.5)",
     )
@@ -264,45 +282,119 @@ def _add_sampling_args(
         ),
     )
     s.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    s.add_argument("--temperature", type=float, default=None, help="> 0 (default 1.0)")
-    s.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default 1)")
-    s.add_argument("--top-k", type=int, default=None, help="keep the k most probable (>= 1)")
+    model = "(default: the target's generation_config, else {})"
     s.add_argument(
-        "--seed", type=_integer("--seed"), default=None, help="seeds the run (default: random)"
+        "--temperature", type=_finite("--temperature"), default=None, help="> 0 " + model.format(1)
+    )
+    s.add_argument(
+        "--top-p",
+        type=_finite("--top-p"),
+        default=None,
+        help="nucleus mass in (0, 1] " + model.format("1: off"),
+    )
+    s.add_argument(
+        "--top-k",
+        type=_integer("--top-k", low=0),
+        default=None,
+        help="keep the k most probable; 0: off " + model.format("off"),
+    )
+    s.add_argument(
+        "--seed",
+        type=_integer("--seed", low=0, high=2**63 - 1),
+        default=None,
+        help="seeds the run (default: random)",
     )
 
 
-def _integer(flag: str) -> Any:
+def _integer(flag: str, *, low: int | None = None, high: int | None = None) -> Any:
     def parse(value: str) -> int:
         try:
-            return int(value)
+            number = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {value!r}") from None
+        if low is not None and number < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least {low}, got {number}")
+        if high is not None and number > high:
+            raise argparse.ArgumentTypeError(f"{flag} must be at most {high}, got {number}")
+        return number
 
     return parse
 
 
-def sampling_config(args: argparse.Namespace) -> Any:
-    """``SamplingConfig`` from ``--sample`` and its settings, or None for greedy decoding."""
+BUILT_IN_SAMPLING: dict[str, float | None] = {"temperature": 1.0, "top_k": None, "top_p": 1.0}
+"""What ``--sample`` uses where neither a flag nor the target's ``generation_config`` says."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """``--sample``'s settings, resolved: each from its flag, else the target's
+    ``generation_config`` (as Transformers' ``generate`` does), else ``BUILT_IN_SAMPLING``."""
+
+    config: SamplingConfig
+    source: dict[str, str]
+    """Setting → where its value came from, in words."""
+
+    def describe(self) -> str:
+        """One line: what sampling used, and where each value came from."""
+        c = self.config
+        shown = {
+            "temperature": f"temperature {c.temperature:g}",
+            "top_k": "top-k off" if c.top_k is None else f"top-k {c.top_k}",
+            "top_p": "top-p off" if c.top_p >= 1 else f"top-p {c.top_p:g}",
+        }
+        by_source: dict[str, list[str]] = {}
+        for name, text in shown.items():
+            by_source.setdefault(self.source[name], []).append(text)
+        said = "; ".join(f"{', '.join(texts)} ({where})" for where, texts in by_source.items())
+        return f"sampling: {said}; " + ("random seed" if c.seed is None else f"seed {c.seed}")
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: the values and their sources."""
+        c = self.config
+        values = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p}
+        return {**values, "seed": c.seed, "source": dict(self.source)}
+
+
+def sampling_config(args: argparse.Namespace) -> Sampling | None:
+    """``--sample`` and its flags resolved against the target's own defaults (``args.target``
+    settled), or None for greedy decoding: the one place ``generate``, ``bench`` and
+    ``collect`` build their sampling from."""
     given = [f for f in ("temperature", "top_p", "top_k", "seed") if getattr(args, f) is not None]
     if not args.sample:
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise UagError(f"{flags} only apply with --sample")
         return None
-    return SamplingConfig(
-        temperature=1.0 if args.temperature is None else args.temperature,
-        top_p=1.0 if args.top_p is None else args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
+    declared = models.generation_defaults(args.target)
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name, built_in in BUILT_IN_SAMPLING.items():
+        if getattr(args, name) is not None:
+            values[name], source[name] = getattr(args, name), "given"
+        elif name in declared:
+            values[name] = declared[name]
+            source[name] = f"{args.target}'s generation_config"
+        else:
+            values[name], source[name] = built_in, "built-in default"
+    if values["top_k"] == 0:  # --top-k 0: off, as in a generation_config
+        values["top_k"] = None
+    return Sampling(SamplingConfig(**values, seed=args.seed), source)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            raise UagError(f"prompt file not found: {args.prompt_file}")
-        text = args.prompt_file.read_text(encoding="utf-8")
+        path = args.prompt_file
+        if not path.is_file():
+            raise UagError(f"prompt file not found: {path}")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UagError(
+                f"prompt file {path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+                f"offset {err.start})"
+            ) from None
+        except OSError as err:
+            raise UagError(f"cannot read prompt file {path}: {err.strerror}") from None
         if not text.strip():
             raise UagError(f"prompt file is empty: {args.prompt_file}")
         return text
@@ -310,10 +402,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise UagError(
             f"got {len(args.prompt)} prompts: uag generates one prompt at a time (batch size 1)"
         )
-    return str(args.prompt[0])
+    return api.check_prompt(args.prompt[0])  # before the models load
 
 
-def _stats_line(result: Any) -> str:
+def _stats_line(result: Any, sampling: Sampling | None = None) -> str:
     split = result.time_split()
     parts = ", ".join(f"{k} {v:.2f}s" for k, v in split.items())
     return (
@@ -327,13 +419,13 @@ def _stats_line(result: Any) -> str:
         )
         + f"{result.tokens_per_second:.2f} tokens/s, "
         f"{result.seconds:.2f}s ({parts})"
+        + ("" if sampling is None else f"; {sampling.describe()}")
     )
 
 
 def run_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
-    sampling = sampling_config(args)
-    if sampling is not None and args.compare_target_only:
+    if args.sample and args.compare_target_only:
         raise UagError(
             "--compare-target-only checks token identity, which sampled outputs do not have "
             "(they match the target in distribution; tests/test_sampling.py checks that)"
@@ -359,6 +451,9 @@ def run_generate(args: argparse.Namespace) -> int:
             args.controller, use_cuda=resolve_device(args.device).type == "cuda"
         )
     adopted = settle_model_args(args, learned)
+    sampling = sampling_config(args)
+    if sampling is not None and sampling.config.seed is None:  # drawn here to be reported
+        sampling = replace(sampling, config=replace(sampling.config, seed=secrets.randbits(63)))
     policy = learned or (
         spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
     )
@@ -385,7 +480,11 @@ def run_generate(args: argparse.Namespace) -> int:
             decoding="greedy" if sampling is None else "sampling",
             draft_vocab=pair.draft_vocab,
         )
-    common = {"max_new_tokens": args.max_new_tokens, "chat": args.chat, "sampling": sampling}
+    common = {
+        "max_new_tokens": args.max_new_tokens,
+        "chat": args.chat,
+        "sampling": None if sampling is None else sampling.config,
+    }
     reference = None
     if args.compare_target_only:
         # Warm both arms up (allocator, thread pools, kernels) outside the measured runs.
@@ -415,6 +514,8 @@ def run_generate(args: argparse.Namespace) -> int:
         reference = min(reference, ref2, key=lambda r: r.seconds)
         result = min(result, res2, key=lambda r: r.seconds)
     summary = result.summary()
+    if sampling is not None:
+        summary["sampling"] = sampling.summary()
     if reference is not None:
         summary["identical"] = identical
         summary["target_only_seconds"] = round(reference.seconds, 4)
@@ -425,7 +526,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(summary, ensure_ascii=False))
     else:
         print()
-        print(_stats_line(result))
+        print(_stats_line(result, sampling))
         if reference is not None:
             verdict = (
                 "token-identical" if summary["identical"] else "DIFFERENT (a bug: please report)"
@@ -468,6 +569,7 @@ def run_models(args: argparse.Namespace) -> int:
                 raise UagError(
                     f"cannot prepare {name!r}: give an embedded name ({', '.join(models.EMBEDDED)}) or a .gguf file"
                 )
+            models.check_reference(name)  # a missing file or package: before any work
         native = resolve_kernels("auto", torch.device("cpu"), torch.float32) == "native"
         for name in tqdm(args.names, desc="preparing models", unit="model"):
             path = models.convert_gguf(name, log=tqdm.write)
@@ -528,7 +630,7 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
     _add_prompt_set_args(p)
     p.add_argument(
         "--max-lookahead",
-        type=int,
+        type=_integer("--max-lookahead"),
         default=default_of(CollectConfig, "max_lookahead"),
         help="tokens drafted every iteration; drafting never stops earlier (default: %(default)s)",
     )
@@ -567,7 +669,7 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--explore",
-        type=float,
+        type=_finite("--explore"),
         default=default_of(CollectConfig, "explore"),
         help="with --controller: chance per round of drafting the full --max-lookahead anyway, "
         "so every position gets labels on the states the controller meets; rows log "
@@ -606,7 +708,7 @@ def run_collect(args: argparse.Namespace) -> int:
         launched=launch is not None and launch.coordinated,
         logdir=(args.logdir or Path("runs") / "collect" / args.out.name)
         / ("" if launch is None else f"rank{launch.rank}"),
-        sampling=sampling,
+        sampling=None if sampling is None else sampling.config,
     )
     s = collect(cfg)
     print(
@@ -619,6 +721,8 @@ def run_collect(args: argparse.Namespace) -> int:
             "acceptance by draft position: "
             + " ".join(f"{r:.2f}" for r in s.acceptance_by_position)
         )
+    if sampling is not None and cfg.sampling is not None:  # its seed as the run resolved it
+        print(replace(sampling, config=cfg.sampling).describe())
     print(f"meta: {s.meta_path}")
     print(f"TensorBoard: tensorboard --logdir {s.logdir}")
     return 0
@@ -668,13 +772,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=_integer("--seed", low=0, high=2**32 - 1),
         default=default_of(TrainConfig, "seed"),
         help="seed for the prompt split and training (default: %(default)s)",
     )
     p.add_argument(
         "--report-fraction",
-        type=float,
+        type=_finite("--report-fraction"),
         default=default_of(TrainConfig, "report_fraction"),
         help="share of the prompts held out from training and from choosing thresholds and "
         "kappa, on which the summary and the ONNX metadata report AUC and simulated speed-ups "
@@ -689,7 +793,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lr",
-        type=float,
+        type=_finite("--lr"),
         default=default_of(TrainConfig, "lr"),
         help="AdamW learning rate (default: %(default)s)",
     )
@@ -790,9 +894,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    sampling = sampling_config(args)
     if args.policies is None:
-        args.policies = DEFAULT_POLICIES if sampling is None else SAMPLING_POLICIES
+        args.policies = SAMPLING_POLICIES if args.sample else DEFAULT_POLICIES
     if "learned" in args.policies and args.controller is None:
         # The shipped controller, from the working directory or beside the package (a checkout).
         shipped = [Path("exports/ctrl.onnx"), SHIPPED_CONTROLLER]
@@ -800,10 +903,16 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     # One pair for every arm: the defaults, not the controller's settings (its arm warns when
     # they differ from what it was trained with).
     settle_model_args(args)
-    cfg = config_from_args(BenchConfig, args, sampling=sampling)
+    sampling = sampling_config(args)
+    cfg = config_from_args(
+        BenchConfig, args, sampling=None if sampling is None else sampling.config
+    )
     report = run_bench(cfg)
     write_report(report, args.out)
     print(report.markdown())
+    if sampling is not None:  # round 0's seed as the run drew it
+        seed = report.config["sampling"]["seed"]
+        print(replace(sampling, config=replace(sampling.config, seed=seed)).describe())
     print(f"{report.prompts} prompts, machine: {report.machine}")
     print(
         f"wrote {args.out}/results.json, results.md, speedup.png; TensorBoard: tensorboard --logdir {args.out}/tensorboard"
@@ -945,8 +1054,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # a bug, not bad input: still one line unless debugging
         if os.environ.get("UAG_DEBUG") == "1":
             raise
+        first = (str(err).strip().splitlines() or [""])[0]
         print(
-            f"uag: internal error: {type(err).__name__}: {err} (set UAG_DEBUG=1 for the traceback)",
+            f"uag: internal error: {type(err).__name__}: {first} (set UAG_DEBUG=1 for the traceback)",
             file=sys.stderr,
         )
         return 1

@@ -11,3 +11,23 @@ from pathlib import Path
 def cache_root() -> Path:
     """Where converted GGUF checkpoints live (``$UAG_CACHE`` or ``~/.cache/uag``)."""
     return Path(os.environ.get("UAG_CACHE", Path.home() / ".cache" / "uag")).expanduser()
+
+
+def unwritable(path: Path, *, directory: bool) -> str | None:
+    """Why ``path`` cannot be written as a directory (``directory``) or a file, judged before
+    any work starts (a run that fails at its last step wastes the run); None where it can, as
+    far as looking beforehand tells."""
+    if path.exists():
+        if directory and not path.is_dir():
+            return f"{path} is a file, not a directory"
+        if not directory and path.is_dir():
+            return f"{path} is a directory, not a file"
+        return None
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{path} cannot be created: {parent} is a file"
+            if not os.access(parent, os.W_OK):
+                return f"{path} cannot be created: {parent} is not writable"
+            return None
+    return None

@@ -39,6 +39,7 @@ from uag.errors import UagError
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile
 from uag.harness.prompts import Prompt, load_prompts
+from uag.paths import unwritable
 from uag.runtime.models import resolve_device
 
 ITERATION_COLUMNS = (
@@ -81,6 +82,10 @@ class CollectConfig(RunConfig):
     """With ``controller``: the chance per round of drafting the full lookahead anyway."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        problem = None if self.logdir is None else unwritable(self.logdir, directory=True)
+        if problem is not None:
+            raise UagError(f"--logdir: {problem}")
         if self.max_lookahead < 1:
             raise UagError(f"--max-lookahead must be at least 1, got {self.max_lookahead}")
         if self.max_new_tokens < 1:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uag.api import Pair, load_pair
+from uag.errors import UagError
+from uag.paths import unwritable
 from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
 
@@ -30,6 +32,11 @@ class RunConfig:
     draft_vocab: int | None = None
     """The assistant drafts from its first N ids (``uag.runtime.draft_vocab``); None: the default where
     its head can be cut; 0: every id."""
+
+    def __post_init__(self) -> None:
+        problem = unwritable(Path(self.out), directory=True)
+        if problem is not None:
+            raise UagError(f"--out: {problem}")
 
     def load_pair(self) -> Pair:
         return load_pair(

