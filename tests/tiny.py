@@ -203,3 +203,62 @@ def same_tokenizer_pair(
     target = wrap_model(model, gemma_tok, ref="tiny-gemma")
     assistant = wrap_model(noisy_copy(model, scale=noise), gemma_tok, ref="tiny-gemma-noisy")
     return make_pair(target, assistant, kernels=kernels, draft_vocab=draft_vocab)
+
+
+def write_tiny_gguf(path, *, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A random 2-layer Llama as a ``.gguf`` file with SmolLM2's tokenizer (copied from the
+    embedded GGUF): what ``uag models prepare`` and ``--target x.gguf`` convert, in seconds
+    instead of the real models' minute. Weights in Q8_0, ~4 MB (the 49,152-row embedding)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
+
+    from uag.runtime.models import EMBEDDED, embedded_gguf_path
+
+    source = GGUFReader(embedded_gguf_path(EMBEDDED["smollm2-135m"]))
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    heads, kv_heads, head_dim = 2, 1, hidden // 2
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(100000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), kind, sub)
+    rng = np.random.default_rng(seed)
+
+    def add_q8_0(name: str, *shape: int) -> None:
+        """Random weights stored as GGUF's Q8_0, as real GGUF files store theirs: de-quantised,
+        they are the exact blocks the native kernels and a prepared target's head take."""
+        data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        packed = quants.quantize(data, GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+
+    add_q8_0("token_embd.weight", vocab, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        for name, shape in (
+            ("attn_q", (heads * head_dim, hidden)),
+            ("attn_k", (kv_heads * head_dim, hidden)),
+            ("attn_v", (kv_heads * head_dim, hidden)),
+            ("attn_output", (hidden, heads * head_dim)),
+            ("ffn_gate", (2 * hidden, hidden)),
+            ("ffn_up", (2 * hidden, hidden)),
+            ("ffn_down", (hidden, 2 * hidden)),
+        ):
+            add_q8_0(f"blk.{i}.{name}.weight", *shape)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
