@@ -212,22 +212,12 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
     """A non-editable install (the wheel, installed elsewhere, run from another directory) holds
     copies of ``exports/ctrl.onnx`` and ``data/prompts``: the default controller and
     ``--prompts mixed`` work without the checkout."""
-    import shutil
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    src, wheels, site = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
-    skip = shutil.ignore_patterns(".*", "build", "runs", "collected", "*.egg-info", "__pycache__")
-    shutil.copytree(root, src, symlinks=True, ignore=skip)  # building writes beside the sources
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    done = subprocess.run([*build, "-w", str(wheels), str(src)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (wheel,) = wheels.glob("uag-*.whl")
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site)]
-    done = subprocess.run([*install, str(wheel)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    from tests.wheel import install_wheel_elsewhere
+
+    site = install_wheel_elsewhere(tmp_path)
     probe = (
         "import uag, uag.cli, uag.harness.prompts\n"
         "from controllers.learned import LearnedPolicy\n"

@@ -3,14 +3,13 @@ headers shipped in the wheel, and a word on stderr when ``auto`` runs without th
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.wheel import install_wheel_elsewhere
 from uag.kernels import choice, formats, native
 from uag.kernels.formats import FORMATS, Format
 
@@ -74,17 +73,7 @@ def test_a_wheel_install_elsewhere_builds_and_runs_the_native_kernels(tmp_path):
     """The wheel, installed into another directory and imported from a third, compiles the
     kernels from its own ``csrc`` (headers included) and runs them: ``native_unavailable()`` is
     None, and a block int8 product equals the fp32 kernel's bits and agrees with torch."""
-    root = Path(__file__).resolve().parents[1]
-    src, wheels, site = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
-    skip = shutil.ignore_patterns(".*", "build", "runs", "collected", "*.egg-info", "__pycache__")
-    shutil.copytree(root, src, symlinks=True, ignore=skip)  # building writes beside the sources
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    done = subprocess.run([*build, "-w", str(wheels), str(src)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    (wheel,) = wheels.glob("uag-*.whl")
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site)]
-    done = subprocess.run([*install, str(wheel)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    site = install_wheel_elsewhere(tmp_path)
     probe = (
         "import torch, torch.nn.functional as F\n"
         "from torch import nn\n"
