@@ -490,8 +490,9 @@ def build_arms(
 ) -> dict[str, Arm]:
     """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
     any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
-    speculative arm's policy factory (what exact replay runs). ``+lookup`` arms copy
-    ``lookup_lengths`` (``uag calibrate``; None: the built-in lengths)."""
+    speculative arm's policy factory (what exact replay runs; not the bandit's). ``+lookup``
+    arms (the hybrid ``+lookup-N`` and ``bandit`` too) copy ``lookup_lengths`` (``uag
+    calibrate``; None: the built-in lengths)."""
     arms: dict[str, Arm] = {}
     for name in names:
         spec = parse_policy(name)
@@ -525,7 +526,9 @@ def build_arms(
             else ArmPolicy(make=factory, make_lookup=partial(spec.make_lookup, lookup_lengths))
         )
         arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
-        if arm_policy is not None and policies is not None:
+        # The bandit picks its arms by each round's wall time, which exact replay does not
+        # reproduce (its target forward is a lookup): it would predict other rounds than it runs.
+        if arm_policy is not None and policies is not None and spec.kind != "bandit":
             policies[name] = arm_policy
     return arms
 
