@@ -341,7 +341,9 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> Loaded
     source = checkpoint_dir(ref)
     hf_logging.disable_progress_bar()  # loading a converted checkpoint takes seconds
     try:
-        tokenizer = load_tokenizer(source)
+        # Transformers' own tokenizer: this path imports Transformers anyway, and its models'
+        # generate (bench's Transformers arms) takes only its tokenizers.
+        tokenizer = load_tokenizer(source, fast=False)
         model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
     except (OSError, ValueError, KeyError) as exc:  # missing or foreign files, unknown classes
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -15,6 +15,13 @@ Within one process every local checkpoint's tokenizer is also kept by the same k
 the same pair again (the Python API, bench's stock copy, a test suite) reuses it: uag never
 modifies a tokenizer, and one whose vocabulary changed no longer matches its byte table's
 length, which ``token_bytes_table`` checks.
+
+Where it can, ``load_tokenizer`` skips Transformers altogether: ``uag.runtime.fasttok``'s
+``FastTokenizer`` stands for the Transformers tokenizer of a directory whose tokenizer it can
+represent exactly (its module doc says when not), built from ``tokenizer.json`` by the
+``tokenizers`` library (Gemma: ~1.3 s, no Transformers import), and its byte table is kept as
+``uag-bytes-<key>.pkl`` (the same trust rule and key, less Transformers' version). Code that
+hands the tokenizer to Transformers (its ``generate``) loads with ``fast=False``.
 """
 
 from __future__ import annotations
@@ -47,17 +54,23 @@ _FILES = (
 )
 
 
-def _key(source: Path) -> str | None:
-    """A key for the tokenizer in directory ``source``, or None when it has no tokenizer.json."""
-    # Transformers takes seconds to import and the CLI imports this module (through
-    # uag.runtime.models) at start-up: only loading a tokenizer pays.
+def _key(source: Path, *, fast: bool = False) -> str | None:
+    """A key for the tokenizer in directory ``source``, or None when it has no tokenizer.json;
+    ``fast``: for the ``FastTokenizer``'s byte table (Transformers' version plays no part)."""
     import tokenizers
-    import transformers
 
     if not (source / "tokenizer.json").is_file():
         return None
+    if fast:
+        shaped_by = f"fast|{tokenizers.__version__}"
+    else:
+        # Transformers takes seconds to import and the CLI imports this module (through
+        # uag.runtime.models) at start-up: only loading its tokenizer pays.
+        import transformers
+
+        shaped_by = f"{transformers.__version__}|{tokenizers.__version__}"
     digest = hashlib.sha256()
-    digest.update(f"{FORMAT}|{transformers.__version__}|{tokenizers.__version__}|".encode())
+    digest.update(f"{FORMAT}|{shaped_by}|".encode())
     for name in _FILES:
         path = source / name
         if path.is_file():
@@ -66,13 +79,31 @@ def _key(source: Path) -> str | None:
     return digest.hexdigest()[:24]
 
 
-def load_tokenizer(source: str) -> Any:
-    """``AutoTokenizer.from_pretrained(source)``, from the cache when ``source`` is a checkpoint
-    inside ``$UAG_CACHE`` seen before (its byte table then attached as ``TABLE_ATTR``)."""
+WHY_NOT_FAST: dict[str, str] = {}
+"""Per directory this process loaded Transformers' tokenizer for although ``fast`` was asked:
+why the ``FastTokenizer`` could not stand for it (``fasttok.NotRepresentable``)."""
+
+
+def load_tokenizer(source: str, *, fast: bool = True) -> Any:
+    """The tokenizer of ``source`` (a local directory or a hub id).
+
+    ``fast`` (the default): uag's ``FastTokenizer`` where ``source`` is a local directory it
+    can represent exactly (``uag.runtime.fasttok``; never with ``UAG_FAST_TOKENIZER=0``), with
+    its byte table from the cache inside ``$UAG_CACHE``; otherwise, or with ``fast`` False
+    (code that hands the tokenizer to Transformers), ``AutoTokenizer.from_pretrained(source)``,
+    from the pickle cache when ``source`` is a checkpoint inside ``$UAG_CACHE`` seen before
+    (its byte table then attached as ``TABLE_ATTR``)."""
+    directory = Path(source).resolve()
+    if fast and directory.is_dir() and os.environ.get("UAG_FAST_TOKENIZER", "1") != "0":
+        from uag.runtime.fasttok import NotRepresentable
+
+        try:
+            return _load_fast(source, directory)
+        except NotRepresentable as why:  # correct, only slower: Transformers' own
+            WHY_NOT_FAST[str(directory)] = str(why)
     # Transformers: deferred, as in _key.
     from transformers import AutoTokenizer
 
-    directory = Path(source).resolve()
     key = _key(directory) if directory.is_dir() else None
     if key is None or os.environ.get("UAG_TOKENIZER_CACHE", "1") == "0":
         return AutoTokenizer.from_pretrained(source)
@@ -80,6 +111,55 @@ def load_tokenizer(source: str) -> Any:
     if memo not in _LOADED:
         _LOADED[memo] = _load(source, directory, key, cache_root())
     return _LOADED[memo]
+
+
+def _load_fast(source: str, directory: Path) -> Any:
+    """``FastTokenizer.from_dir`` once per process and key; its byte table from
+    ``uag-bytes-<key>.pkl`` when the directory is inside ``$UAG_CACHE`` (written there the
+    first time)."""
+    from uag.runtime.fasttok import FastTokenizer
+
+    if os.environ.get("UAG_TOKENIZER_CACHE", "1") == "0":
+        return FastTokenizer.from_dir(source)
+    key = _key(directory, fast=True)
+    memo = f"fast\0{directory}\0{key}"
+    if memo in _LOADED:
+        return _LOADED[memo]
+    tokenizer = FastTokenizer.from_dir(source)
+    inside = directory.is_relative_to(cache_root().resolve())
+    path = directory / f"uag-bytes-{key}.pkl"
+    table = _read_pickle(path) if inside else None
+    if isinstance(table, list) and len(table) == len(tokenizer):
+        setattr(tokenizer, TABLE_ATTR, table)
+    else:
+        token_bytes_table(tokenizer, len(tokenizer))  # kept on the tokenizer (TABLE_ATTR)
+        if inside:
+            for stale in directory.glob("uag-bytes-*.pkl"):
+                stale.unlink(missing_ok=True)
+            _write_pickle(path, getattr(tokenizer, TABLE_ATTR))
+    _LOADED[memo] = tokenizer
+    return tokenizer
+
+
+def _read_pickle(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            return pickle.load(f)
+    except Exception:  # a damaged or foreign entry: rebuilt by the caller  # noqa: BLE001
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _write_pickle(path: Path, value: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)  # atomic: concurrent starts (torchrun ranks) never read half
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)  # a read-only cache: run without it
 
 
 def _load(source: str, directory: Path, key: str, root: Path) -> Any:
@@ -90,23 +170,14 @@ def _load(source: str, directory: Path, key: str, root: Path) -> Any:
     if not directory.is_relative_to(root.resolve()):
         return AutoTokenizer.from_pretrained(source)  # never written to: not uag's directory
     path = directory / f"uag-tokenizer-{key}.pkl"
-    if path.is_file():
-        try:
-            with path.open("rb") as f:
-                return pickle.load(f)
-        except Exception:  # a damaged or foreign entry: rebuild it below  # noqa: BLE001
-            path.unlink(missing_ok=True)
+    found = _read_pickle(path)
+    if found is not None:
+        return found
     tokenizer = AutoTokenizer.from_pretrained(source)
     setattr(tokenizer, TABLE_ATTR, token_bytes_table(tokenizer, len(tokenizer)))
     for stale in directory.glob("uag-tokenizer-*.pkl"):
         stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)  # atomic: concurrent starts (torchrun ranks) never read half
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)  # a read-only cache: run without it
+    _write_pickle(path, tokenizer)
     return tokenizer
 
 
