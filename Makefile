@@ -27,16 +27,15 @@ DEMO := runs/demo
 demo: $(STAMP)
 	@echo "== 1/5 models: convert the embedded GGUF files and prepare them once (cached in $${UAG_CACHE:-~/.cache/uag})"
 	$(BIN)/uag models prepare gemma-3-270m smollm2-135m
-	@echo "== 2/5 collect: draft 6 tokens every round on 6 training prompts, log features + acceptance"
+	@echo "== 2/5 collect: draft 6 tokens every round on 6 training prompts, log features + acceptance (int8 assistant: the CPU default)"
 	$(BIN)/uag collect --prompts mixed:train --limit 6 --max-new-tokens 32 --max-lookahead 6 \
-		--assistant-int8 --out $(DEMO)/collected --overwrite --logdir $(DEMO)/tb-collect
+		--out $(DEMO)/collected --overwrite --logdir $(DEMO)/tb-collect
 	@echo "== 3/5 train: a small controller on that data (the shipped one used 120 prompts)"
 	$(BIN)/uag train-controller --data $(DEMO)/collected --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10 --no-gate
-	@echo "== 4/5 generate with the shipped controller after prompt lookup (learned+lookup), checked token-identical to the target alone"
-	$(BIN)/uag generate --controller exports/ctrl.onnx --assistant-int8 --max-new-tokens 64 --compare-target-only \
-		--prompt "def is_prime(n: int) -> bool:"
+	@echo "== 4/5 generate with the defaults: the shipped controller after prompt lookup (learned+lookup), checked token-identical to the target alone"
+	$(BIN)/uag generate --max-new-tokens 64 --compare-target-only --prompt "def is_prime(n: int) -> bool:"
 	@echo "== 5/5 bench on 2 held-out prompts (see README for the full table)"
-	$(BIN)/uag bench --prompts humaneval:test --limit 2 --max-new-tokens 64 --assistant-int8 \
+	$(BIN)/uag bench --prompts humaneval:test --limit 2 --max-new-tokens 64 \
 		--controller exports/ctrl.onnx --policies target-only,static-2,transformers,learned,lookup,learned+lookup,oracle --out $(DEMO)/bench
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)"
 

@@ -119,7 +119,6 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate", ["--policy", "static-0"], "whole number K >= 1"),
     ("generate", ["--policy", "confidence-2"], "probability in (0, 1]"),
     ("generate", ["--policy", "learned:{text}"], "a controller is a .onnx file"),
-    ("generate", ["--policy", "learned"], "needs --controller"),
     ("generate", ["--controller", "{missing}.onnx"], "controller not found"),
     ("generate", ["--controller", "{dir}"], "controller not found"),
     ("generate", ["--controller", "{fake_onnx}"], "not a valid ONNX model"),

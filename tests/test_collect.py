@@ -312,7 +312,7 @@ def test_resume_refuses_other_settings_and_overwrite_clears_the_whole_run(tiny_d
         ({"max_lookahead": 4}, "other settings.*max_lookahead 3 there, 4 here"),
         ({"max_new_tokens": 5}, "max_new_tokens"),
         ({"chat": True}, "chat"),
-        ({"assistant_int8": True}, "assistant_int8"),
+        ({"assistant_int8": not cfg().assistant_int8}, "assistant_int8"),
     ):
         with pytest.raises(UagError, match=key):
             collect(cfg(shard=(0, 2), resume=True, **changes), progress=False)

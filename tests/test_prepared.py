@@ -75,7 +75,7 @@ def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch, ca
     without building anything; both give bitwise the logits and exactly the tokens of the pair
     converted in process (``make_pair`` on the Transformers models)."""
     target, assistant = q8_dirs
-    first = uag.load_pair(target, assistant, kernels="native")
+    first = uag.load_pair(target, assistant, kernels="native", assistant_int8=False)
     said = capsys.readouterr().err
     assert said.count("uag: preparing") == 2 and "as target" in said and "as assistant" in said
     assert first.target.model is None and first.target_lm.model is None
@@ -86,7 +86,7 @@ def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch, ca
         raise AssertionError("a prepared file was built again instead of read")
 
     monkeypatch.setattr(prepared, "_build", refuse)
-    second = uag.load_pair(target, assistant, kernels="native")
+    second = uag.load_pair(target, assistant, kernels="native", assistant_int8=False)
     monkeypatch.undo()
     assert "preparing" not in capsys.readouterr().err
     converted = make_pair(load_model(target), load_model(assistant), kernels="native")

@@ -191,6 +191,7 @@ def test_cli_generate_compare_json():
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["identical"] is True
+    assert result["policy"] == "learned+lookup"  # the default: the shipped controller's arm
     assert result["new_tokens"] == 12
     for key in (
         "text",
@@ -202,6 +203,20 @@ def test_cli_generate_compare_json():
         "speedup",
     ):
         assert key in result
+
+
+@pytest.mark.parametrize("name", ["python_deep_indent", "cjk", "crlf"])
+def test_default_generate_is_the_target_alone(name, capsys):
+    """``uag generate`` with no policy or precision flag (the shipped controller's
+    learned+lookup, the int8 assistant on CPU) emits the target's own tokens."""
+    from uag.cli import main
+
+    argv = ["generate", "--prompt", NASTY_PROMPTS[name], "--max-new-tokens", "16"]
+    assert main([*argv, "--compare-target-only", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["identical"] is True and result["policy"] == "learned+lookup"
+    assert "warning" not in captured.err  # the controller runs where it was trained
 
 
 @pytest.mark.slow
@@ -222,8 +237,11 @@ def test_lossless_long_generations(real_pair, make_policy):
 
 
 @pytest.mark.slow
-def test_lossless_with_int8_assistant():
-    pair = uag.load_pair(assistant_int8=True)
+def test_lossless_with_float_assistant():
+    """``real_pair`` (``load_pair()``'s default on CPU) drafts with the int8 assistant; the
+    float one, ``--no-assistant-int8``, is lossless too."""
+    pair = uag.load_pair(assistant_int8=False)
+    assert not pair.assistant_int8
     for name in ("python_deep_indent", "unicode_mix", "crlf", "long_digits"):
         ref = uag.generate(pair, NASTY_PROMPTS[name], policy=None, max_new_tokens=32)
         out = uag.generate(pair, NASTY_PROMPTS[name], policy=StaticPolicy(k=3), max_new_tokens=32)
@@ -268,7 +286,9 @@ def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
 
     from controllers.learned import LearnedPolicy
 
-    pair = uag.load_pair(target="gemma-3-270m", assistant="gemma-3-270m", draft_vocab=0)
+    pair = uag.load_pair(
+        target="gemma-3-270m", assistant="gemma-3-270m", draft_vocab=0, assistant_int8=False
+    )  # the float assistant: the target's own logits, so every draft is accepted
     policy = LearnedPolicy(Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx")
     for name in ("python_deep_indent", "prose", "cjk"):
         out = uag.generate(pair, NASTY_PROMPTS[name], policy=policy, max_new_tokens=48)

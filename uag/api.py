@@ -178,18 +178,21 @@ def load_pair(
     *,
     device: str = "auto",
     dtype: str = "auto",
-    assistant_int8: bool = False,
+    assistant_int8: bool | None = None,
     kernels: str = "auto",
     draft_vocab: int | None = None,
 ) -> Pair:
     """Load both models and build the bridge (GGUF references are converted once, then cached).
-    ``draft_vocab``: greedy drafts from the assistant's first N ids (``uag.runtime.draft_vocab``; None:
-    the default where its head can be cut; 0: every id)."""
+    ``assistant_int8``: the assistant on 4-bit / int8 weights (``resolve_assistant_int8``; None:
+    on wherever it can run, i.e. on CPU in float32). ``draft_vocab``: greedy drafts from the
+    assistant's first N ids (``uag.runtime.draft_vocab``; None: the default where its head can
+    be cut; 0: every id)."""
     check_size(draft_vocab)
     for ref in (target, assistant):
         check_reference(ref)
     dev = resolve_device(device)
     mode = resolve_kernels(kernels, dev, resolve_dtype(dtype, dev))  # refuse before loading
+    assistant_int8 = resolve_assistant_int8(assistant_int8, device=device, dtype=dtype)
     if mode == "native":
         pair = _prepared_pair(
             target, assistant, assistant_int8=assistant_int8, draft_vocab=draft_vocab
@@ -205,6 +208,23 @@ def load_pair(
     return make_pair(
         tgt, ast, assistant_int8=assistant_int8, kernels=kernels, draft_vocab=draft_vocab
     )
+
+
+def resolve_assistant_int8(
+    requested: bool | None, *, device: str = "auto", dtype: str = "auto"
+) -> bool:
+    """Whether the assistant runs on 4-bit / int8 weights: as ``requested``, or where None, on
+    exactly where it can run (the assistant on CPU in float32).
+
+    Why on by default: only the target decides the output, so the assistant's precision changes
+    the drafts' cost and acceptance, never what is generated (greedy: the target's argmax;
+    sampling: the accept/resample rule is exact for any draft distribution). Why off elsewhere:
+    ``uag.kernels.choice.quantize_int8``'s kernels are CPU float32 only; a GPU or a half dtype
+    keeps the assistant in the pair's dtype (asking for int8 there is refused at load)."""
+    if requested is not None:
+        return requested
+    dev = resolve_device(device)
+    return dev.type == "cpu" and resolve_dtype(dtype, dev) == torch.float32
 
 
 def _prepared_pair(

@@ -143,7 +143,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="int8 activations for the assistant's linear layers (CPU, native kernels: weights "
         "that lie on GGUF Q4_1's grid, as SmolLM2's do, stay 4-bit; others int8 per row): "
-        "cheaper drafts, same output (default: as a --controller was trained, else off)",
+        "cheaper drafts, same output, greedy or sampled; --no-assistant-int8 keeps it in "
+        "float32 (default: as a --controller was trained where it can run, else on wherever "
+        "it can run: on for CPU float32, off on CUDA and in bfloat16/float16, where the int8 "
+        "kernels do not run)",
     )
     p.add_argument(
         "--kernels",
@@ -173,18 +176,28 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
     note to print once the models load (never silently; not before an error)."""
     adopted = []
     info = getattr(controller, "info", None)
+    # The int8 assistant wherever it can run (CPU float32): the same default for generate and
+    # collect, so a controller collects its features and latencies with the assistant it runs
+    # with. A controller trained with it, run on CUDA, gets the float assistant (and warns).
+    int8 = api.resolve_assistant_int8(None, device=args.device, dtype=args.dtype)
     for flag, attr, default in (
         ("--target", "target", DEFAULT_TARGET),
         ("--assistant", "assistant", DEFAULT_ASSISTANT),
-        ("--assistant-int8", "assistant_int8", False),
+        ("--assistant-int8", "assistant_int8", int8),
     ):
         if getattr(args, attr) is not None:
             continue
         trained = getattr(info, attr, None) if info is not None else None
+        if attr == "assistant_int8" and trained and not int8:
+            trained = None
         if trained is not None and trained != "?":
             setattr(args, attr, trained)
             if trained != default:
-                adopted.append(f"{flag} {trained}" if attr != "assistant_int8" else flag)
+                adopted.append(
+                    f"{flag} {trained}"
+                    if attr != "assistant_int8"
+                    else (flag if trained else "--no-assistant-int8")
+                )
         else:
             setattr(args, attr, default)
     trained_vocab = getattr(info, "draft_vocab", None) if info is not None else None
@@ -203,6 +216,41 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
 SHIPPED_CONTROLLER = Path(__file__).parent / "shipped" / "ctrl.onnx"
 """The controller this checkout ships: ``exports/ctrl.onnx`` through the link in
 ``uag/shipped``, or its copy inside an installed wheel (found from any directory)."""
+
+DEFAULT_POLICY = "learned+lookup"
+"""``uag generate``'s policy where the shipped controller was trained for the run: the faster of
+its two arms in the held-out bench (README, docs/results.md: learned+lookup 1.57x target-only,
+learned 1.11x)."""
+FALLBACK_POLICY = "static+lookup"
+"""Where it was not (sampling, CUDA, a half dtype, another pair, a float assistant): its
+thresholds were chosen for another cost, and a default should not warn on every run."""
+
+
+def shipped_controller() -> Path:
+    """The shipped controller's path, beside the package whatever the working directory."""
+    if not SHIPPED_CONTROLLER.is_file():
+        raise UagError(
+            f"the shipped controller {SHIPPED_CONTROLLER} is missing (an incomplete install?): "
+            "give one with --controller PATH.onnx, or another --policy (e.g. static+lookup)"
+        )
+    return SHIPPED_CONTROLLER
+
+
+def default_policy(args: argparse.Namespace) -> str:
+    """The policy ``uag generate`` runs without ``--policy``: ``learned+lookup`` with
+    ``--controller``'s controller or, for greedy decoding of the default pair with the int8
+    assistant (CPU float32, as the shipped controller was trained), with the shipped one;
+    else ``static+lookup``. Reads only flags: decided before any model loads."""
+    if args.controller is not None:
+        return DEFAULT_POLICY
+    shipped_fits = (
+        not args.sample
+        and args.target in (None, DEFAULT_TARGET)
+        and args.assistant in (None, DEFAULT_ASSISTANT)
+        and args.assistant_int8 is not False
+        and api.resolve_assistant_int8(None, device=args.device, dtype=args.dtype)
+    )
+    return DEFAULT_POLICY if shipped_fits else FALLBACK_POLICY
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -224,17 +272,20 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         default=None,
         help="how far to draft each round: static[-K], heuristic[-K], confidence[-T], "
-        "entropy[-T], learned (with --controller) or target-only; ending in +lookup "
-        "(e.g. learned+lookup), each round first tries prompt lookup: when the last target "
-        "tokens occurred before, what followed them is verified instead of drafting; lookup "
-        "alone uses no assistant drafts. The same names as uag bench --policies (default: "
-        "learned+lookup with --controller, else static+lookup, i.e. static-3+lookup)",
+        "entropy[-T], learned (--controller's, else the shipped controller) or target-only; "
+        "ending in +lookup (e.g. learned+lookup), each round first tries prompt lookup: when "
+        "the last target tokens occurred before, what followed them is verified instead of "
+        "drafting; lookup alone uses no assistant drafts. The same names as uag bench "
+        "--policies (default: learned+lookup, the fastest arm of the shipped controller, for "
+        "greedy decoding of the default pair on CPU float32 with the int8 assistant, or with "
+        "--controller; else static+lookup, i.e. static-3+lookup)",
     )
     p.add_argument(
         "--controller",
         type=Path,
         default=None,
-        help="ONNX controller from uag train-controller (e.g. exports/ctrl.onnx): the learned policy",
+        help="ONNX controller from uag train-controller for the learned policy (default: the "
+        "shipped one, where --policy is learned or its default)",
     )
     p.add_argument(
         "--lookahead",
@@ -433,7 +484,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     # Unless a policy is written out, prompt lookup goes first (lossless, and a copy costs no
     # assistant forward); a written policy is taken as written.
-    spec = parse_policy(args.policy or ("learned+lookup" if args.controller else "static+lookup"))
+    spec = parse_policy(args.policy or default_policy(args))
     if spec.kind == "learned" and spec.path is not None:
         if args.controller is not None:
             raise UagError(f"the controller is given twice: --policy {spec} and --controller")
@@ -441,7 +492,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.controller is not None and spec.kind != "learned":
         raise UagError(f"--controller goes with the learned policy, not --policy {spec}")
     if spec.kind == "learned" and args.controller is None:
-        raise UagError("--policy learned needs --controller PATH.onnx")
+        args.controller = shipped_controller()
     if spec.kind in ("transformers", "oracle"):
         raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
     learned = None
@@ -897,9 +948,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     if args.policies is None:
         args.policies = SAMPLING_POLICIES if args.sample else DEFAULT_POLICIES
     if "learned" in args.policies and args.controller is None:
-        # The shipped controller, from the working directory or beside the package (a checkout).
-        shipped = [Path("exports/ctrl.onnx"), SHIPPED_CONTROLLER]
-        args.controller = next((c for c in shipped if c.is_file()), None)
+        # The shipped controller, beside the package whatever the working directory.
+        args.controller = SHIPPED_CONTROLLER if SHIPPED_CONTROLLER.is_file() else None
     # One pair for every arm: the defaults, not the controller's settings (its arm warns when
     # they differ from what it was trained with).
     settle_model_args(args)

@@ -1,0 +1,171 @@
+"""The fast path by default (issue 43 item 7): the int8 assistant wherever it can run, and the
+shipped controller's fastest arm as ``uag generate``'s policy where it was trained for the run.
+
+No GPU is needed: CUDA is faked at ``torch.cuda.is_available``, which is all the resolution
+reads (``uag.runtime.models.resolve_device``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from controllers.learned import LearnedPolicy
+from tests.tiny import one_clean_line
+from uag import api, cli
+from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``--device auto`` resolves to CUDA, as on a GPU machine (no GPU is touched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_int8_assistant_resolves_on_for_cpu_float32_only():
+    assert api.resolve_assistant_int8(None, device="cpu") is True
+    assert api.resolve_assistant_int8(None, device="cpu", dtype="float32") is True
+    for dtype in ("bfloat16", "float16"):  # the int8 kernels take a float32 assistant
+        assert api.resolve_assistant_int8(None, device="cpu", dtype=dtype) is False
+    assert api.resolve_assistant_int8(False, device="cpu") is False  # an opt-out stays one
+    assert api.resolve_assistant_int8(True, device="cpu") is True
+
+
+def test_int8_assistant_stays_off_on_cuda(fake_cuda):
+    assert api.resolve_assistant_int8(None, device="auto") is False
+    assert api.resolve_assistant_int8(None, device="cuda", dtype="float32") is False
+
+
+def _settled(argv: list[str], controller: LearnedPolicy | None = None) -> argparse.Namespace:
+    args = cli.build_parser().parse_args(argv)
+    cli.settle_model_args(args, controller)
+    return args
+
+
+PAIR_COMMANDS = [
+    ["generate", "--prompt", "x"],
+    ["bench", "--prompts", "mixed"],
+    ["collect", "--prompts", "mixed", "--out", "o"],
+    ["calibrate"],
+]
+
+
+@pytest.mark.parametrize("argv", PAIR_COMMANDS, ids=lambda a: a[0])
+def test_every_pair_command_defaults_to_the_int8_assistant_on_cpu(argv):
+    assert cli.build_parser().parse_args(argv).assistant_int8 is None  # left for settling
+    assert _settled([*argv, "--device", "cpu"]).assistant_int8 is True
+    assert _settled([*argv, "--device", "cpu", "--no-assistant-int8"]).assistant_int8 is False
+    assert _settled([*argv, "--device", "cpu", "--assistant-int8"]).assistant_int8 is True
+    assert _settled([*argv, "--device", "cpu", "--dtype", "bfloat16"]).assistant_int8 is False
+
+
+@pytest.mark.parametrize("argv", PAIR_COMMANDS, ids=lambda a: a[0])
+def test_every_pair_command_keeps_the_float_assistant_on_cuda(argv, fake_cuda):
+    assert _settled(argv).assistant_int8 is False
+
+
+def test_collect_and_generate_settle_on_the_same_assistant(fake_cuda, monkeypatch):
+    """A controller collects its features and latencies with the assistant generate will run it
+    with: the same default on each device, and a controller trained with the int8 assistant
+    gets the float one where int8 cannot run (it then warns; the output is unaffected)."""
+    shipped = LearnedPolicy(cli.SHIPPED_CONTROLLER)
+    assert shipped.info.assistant_int8 is True
+    for argv in (["generate", "--prompt", "x"], ["collect", "--prompts", "m", "--out", "o"]):
+        assert _settled(argv, shipped).assistant_int8 is False  # CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["generate", "--prompt", "x"], ["collect", "--prompts", "m", "--out", "o"]):
+        assert _settled(argv).assistant_int8 is True
+        assert _settled(argv, shipped).assistant_int8 is True
+
+
+def test_a_controller_trained_on_the_float_assistant_brings_it(monkeypatch):
+    shipped = LearnedPolicy(cli.SHIPPED_CONTROLLER)
+    monkeypatch.setattr(shipped, "info", replace(shipped.info, assistant_int8=False))
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
+    note = cli.settle_model_args(args, shipped)
+    assert args.assistant_int8 is False
+    assert note is not None and "--no-assistant-int8" in note
+
+
+def _generate_args(*extra: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["generate", "--prompt", "x", *extra])
+
+
+def test_default_policy_is_the_shipped_controllers_fastest_arm_where_it_was_trained():
+    assert cli.DEFAULT_POLICY == "learned+lookup"
+    assert cli.default_policy(_generate_args("--device", "cpu")) == "learned+lookup"
+    assert cli.default_policy(_generate_args("--device", "cpu", "--assistant-int8")) == (
+        "learned+lookup"
+    )
+    # The shipped controller was trained for exactly that run: nothing to warn about.
+    info = LearnedPolicy(cli.SHIPPED_CONTROLLER).info
+    assert (info.target, info.assistant, info.assistant_int8, info.decoding) == (
+        DEFAULT_TARGET,
+        DEFAULT_ASSISTANT,
+        True,
+        "greedy",
+    )
+    assert str(info.latency_profile["device"]).startswith("cpu")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--sample"],
+        ["--no-assistant-int8"],
+        ["--dtype", "bfloat16"],
+        ["--target", "some/other-model"],
+        ["--assistant", "gemma-3-270m"],
+    ],
+    ids=lambda e: e[-1],
+)
+def test_default_policy_falls_back_where_the_shipped_controller_was_not_trained(extra):
+    assert cli.default_policy(_generate_args("--device", "cpu", *extra)) == "static+lookup"
+
+
+def test_default_policy_falls_back_on_cuda(fake_cuda):
+    assert cli.default_policy(_generate_args()) == "static+lookup"
+
+
+def test_a_given_controller_runs_learned_with_lookup():
+    assert cli.default_policy(_generate_args("--controller", "c.onnx", "--sample")) == (
+        "learned+lookup"
+    )
+
+
+def test_the_shipped_controller_is_found_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.shipped_controller() == cli.SHIPPED_CONTROLLER
+    assert cli.SHIPPED_CONTROLLER.is_absolute() and cli.SHIPPED_CONTROLLER.is_file()
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--policy", "learned"], ["--policy", "learned+lookup"]], ids=str
+)
+def test_a_missing_shipped_controller_is_one_clean_line(extra, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "SHIPPED_CONTROLLER", tmp_path / "gone" / "ctrl.onnx")
+    assert cli.main(["generate", "--prompt", "x", "--device", "cpu", *extra]) == 2
+    assert "shipped controller" in one_clean_line(capsys)
+
+
+def test_help_says_int8_is_the_default_on_cpu_and_off_on_cuda(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--no-assistant-int8" in out
+    assert "off on CUDA" in out
+    assert "default: learned+lookup" in out
+
+
+def test_generate_with_other_models_keeps_static_lookup(tiny_dirs, capsys):
+    """A pair the shipped controller was not trained for falls back, and (CPU) drafts with the
+    int8 assistant; the output is the target's."""
+    target_dir, assistant_dir = tiny_dirs
+    argv = ["generate", "--target", target_dir, "--assistant", assistant_dir, "--device", "cpu"]
+    argv += ["--prompt", "ab ab ab ab", "--max-new-tokens", "8", "--json"]
+    assert cli.main([*argv, "--compare-target-only"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["policy"] == "static-3+lookup" and out["identical"] is True
