@@ -37,10 +37,15 @@ from uag.runtime.runner import CachedLM
 
 
 class LookupDrafter:
-    """Prompt lookup as a drafter: the match for this round is looked up once (``match``)."""
+    """Prompt lookup as a drafter: the match for this round is looked up once (``match``).
 
-    def __init__(self, lookup: PromptLookup) -> None:
+    ``cap``: copy at most this many of the match's tokens (None: all of them). Set per round by
+    a choice that decides the copy's length itself (``uag.decoding.actions``); a match is the
+    same list cut shorter, so ``match`` stays the round's whole continuation."""
+
+    def __init__(self, lookup: PromptLookup, *, cap: int | None = None) -> None:
         self.lookup = lookup
+        self.cap = cap
         self._match: tuple[int, list[int]] = (-1, [])
 
     def reset(self, session: Session) -> None:
@@ -63,7 +68,7 @@ class LookupDrafter:
 
     def propose(self, session: Session, *, clock: Stopwatch) -> Proposal:
         with clock("bridge"):
-            return Proposal(candidates=list(self.match(session)), copied=True)
+            return Proposal(candidates=self.match(session)[: self.cap], copied=True)
 
     def settle(
         self,

@@ -26,7 +26,7 @@ import torch
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import StopPolicy
 from uag.decoding.profile import LatencyProfile
-from uag.decoding.round import IterationRecord, target_only_loop
+from uag.decoding.round import IterationRecord, LoopOutput, target_only_loop
 from uag.decoding.speculative import speculate
 from uag.runtime.runner import CachedLM
 
@@ -131,6 +131,30 @@ class _KnownTarget:
         return self.full[q + 1]
 
 
+def replay_loop(
+    pair: Any,
+    trace: TargetTrace,
+    policy: StopPolicy,
+    *,
+    prompt_assistant_ids: Sequence[int],
+    lookup: PromptLookup | None = None,
+) -> LoopOutput:
+    """The real loop (``speculate``, greedy) on the recorded prompt, its target answered from
+    ``trace``: what ``replay`` prices and ``uag.harness.counterfactual`` labels from."""
+    return speculate(
+        target=cast(CachedLM, _KnownTarget(trace)),
+        assistant=pair.assistant_lm,
+        bridge=pair.bridge,
+        target_eos=pair.target.eos_ids,
+        assistant_eos=pair.assistant.eos_ids,
+        prompt_target_ids=trace.prompt_ids,
+        prompt_assistant_ids=prompt_assistant_ids,
+        policy=policy,
+        max_new_tokens=len(trace.ids),
+        lookup=lookup,
+    )
+
+
 @dataclass(frozen=True)
 class ReplayRun:
     """One prompt replayed under one policy: the loop's rounds and what they cost."""
@@ -155,18 +179,7 @@ def replay(
     """The loop's rounds for ``policy`` on the recorded prompt. The output is the record's by
     construction, so nothing here can tell a record of another target: make it with
     ``record_trace`` on this pair."""
-    out = speculate(
-        target=cast(CachedLM, _KnownTarget(trace)),
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=trace.prompt_ids,
-        prompt_assistant_ids=prompt_assistant_ids,
-        policy=policy,
-        max_new_tokens=len(trace.ids),
-        lookup=lookup,
-    )
+    out = replay_loop(pair, trace, policy, prompt_assistant_ids=prompt_assistant_ids, lookup=lookup)
     first = next((r for r in out.iterations if r.drafted), None)
     extra = 0.0 if first is None else first.first_draft_s - profile.draft_s - profile.catchup_s
     return ReplayRun(
