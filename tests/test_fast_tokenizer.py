@@ -46,7 +46,10 @@ def both(request):
     directory = convert_gguf(request.param)
     hf = load_tokenizer(str(directory), fast=False)
     assert type(hf).__module__.startswith("transformers.")
-    return hf, FastTokenizer.from_dir(directory)
+    fast = load_tokenizer(str(directory))  # as uag runs it: from the compact copy in the cache
+    assert isinstance(fast, FastTokenizer)
+    assert list(directory.glob("uag-fast-*.json"))
+    return hf, fast
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
@@ -98,7 +101,25 @@ def test_the_same_vocabulary_tokens_and_special_tokens(both):
 
 def test_the_same_byte_table(both):
     hf, fast = both
-    assert token_bytes_table(fast, len(fast) + 3) == token_bytes_table(hf, len(hf) + 3)
+    fresh = FastTokenizer(fast.backend_tokenizer, name_or_path="x", special={})  # no cached table
+    want = token_bytes_table(hf, len(hf) + 3)
+    assert token_bytes_table(fresh, len(fast) + 3) == want
+    assert token_bytes_table(fast, len(fast) + 3) == want  # the cached one
+
+
+def test_the_compact_json_keeps_merges_with_a_space_as_pairs(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from uag.runtime.fasttok import compact_tokenizer_json
+
+    vocab = {"a": 0, "b": 1, " ": 2, "a ": 3, "a b": 4, "ab": 5}
+    for merges, as_strings in (([("a", " "), ("a ", "b")], False), ([("a", "b")], True)):
+        path = tmp_path / "tokenizer.json"
+        Tokenizer(BPE(vocab=vocab, merges=merges)).save(str(path))
+        compact = compact_tokenizer_json(path)
+        assert isinstance(json.loads(compact)["model"]["merges"][0], str) is as_strings
+        assert Tokenizer.from_str(compact).to_str() == Tokenizer.from_file(str(path)).to_str()
 
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
@@ -158,7 +179,7 @@ def test_load_tokenizer_gives_the_fast_one_with_its_cached_byte_table(tmp_path, 
     assert isinstance(first, FastTokenizer)
     assert load_tokenizer(str(copy)) is first
     written = list(copy.glob("uag-bytes-*.pkl"))
-    assert len(written) == 1
+    assert len(written) == 1 and len(list(copy.glob("uag-fast-*.json"))) == 1
     monkeypatch.setattr(tokcache, "_LOADED", {})
     again = load_tokenizer(str(copy))
     assert again is not first

@@ -123,9 +123,10 @@ class FastTokenizer:
         self._added: dict[int, AddedToken] | None = None
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> FastTokenizer:
+    def from_dir(cls, directory: str | Path, *, backend_file: Path | None = None) -> FastTokenizer:
         """The tokenizer of a local checkpoint directory, or ``NotRepresentable`` (see the module
-        doc for exactly when)."""
+        doc for exactly when). ``backend_file``: a file that holds the same Rust object as the
+        directory's ``tokenizer.json`` in a form quicker to read (``compact_tokenizer_json``)."""
         root = Path(directory)
         if not (root / "tokenizer.json").is_file():
             raise NotRepresentable(f"{root} has no tokenizer.json")
@@ -140,7 +141,7 @@ class FastTokenizer:
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         if not isinstance(extra, list):
             raise NotRepresentable("extra_special_tokens is not a list (model-specific tokens)")
-        backend = Tokenizer.from_file(str(root / "tokenizer.json"))
+        backend = Tokenizer.from_file(str(backend_file or root / "tokenizer.json"))
         tok = cls(
             backend,
             name_or_path=str(directory),
@@ -305,6 +306,27 @@ class FastTokenizer:
 
     def __repr__(self) -> str:
         return f"FastTokenizer(name_or_path={self.name_or_path!r}, len={len(self)})"
+
+
+def compact_tokenizer_json(path: Path) -> str:
+    """``tokenizer.json`` at ``path`` as the text that builds the very same Rust object fastest:
+    no indentation, and BPE merges as ``"a b"`` strings (the older form ``tokenizers`` still
+    reads) where no merged token holds a space. Gemma 3's 515k merges then read in ~0.95 s
+    instead of ~1.3 s. Checked here: the text's tokenizer serialises exactly as the file's
+    (``to_str``); where it would not, the file's own text is returned."""
+    original = path.read_text(encoding="utf-8")
+    data = json.loads(original)
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if (
+        model.get("type") == "BPE"
+        and isinstance(merges, list)
+        and all(isinstance(m, list) and len(m) == 2 and " " not in m[0] + m[1] for m in merges)
+    ):
+        model["merges"] = [f"{a} {b}" for a, b in merges]
+    compact = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    same = Tokenizer.from_str(compact).to_str() == Tokenizer.from_str(original).to_str()
+    return compact if same else original
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -19,7 +19,8 @@ length, which ``token_bytes_table`` checks.
 Where it can, ``load_tokenizer`` skips Transformers altogether: ``uag.runtime.fasttok``'s
 ``FastTokenizer`` stands for the Transformers tokenizer of a directory whose tokenizer it can
 represent exactly (its module doc says when not), built from ``tokenizer.json`` by the
-``tokenizers`` library (Gemma: ~1.3 s, no Transformers import), and its byte table is kept as
+``tokenizers`` library (Gemma: ~1 s, no Transformers import); inside ``$UAG_CACHE`` from a
+compact copy of ``tokenizer.json`` (``uag-fast-<key>.json``) and with its byte table kept as
 ``uag-bytes-<key>.pkl`` (the same trust rule and key, less Transformers' version). Code that
 hands the tokenizer to Transformers (its ``generate``) loads with ``fast=False``.
 """
@@ -114,10 +115,11 @@ def load_tokenizer(source: str, *, fast: bool = True) -> Any:
 
 
 def _load_fast(source: str, directory: Path) -> Any:
-    """``FastTokenizer.from_dir`` once per process and key; its byte table from
-    ``uag-bytes-<key>.pkl`` when the directory is inside ``$UAG_CACHE`` (written there the
-    first time)."""
-    from uag.runtime.fasttok import FastTokenizer
+    """``FastTokenizer.from_dir`` once per process and key. Inside ``$UAG_CACHE``, from
+    ``uag-fast-<key>.json`` (``fasttok.compact_tokenizer_json``: the same object, read ~25 %
+    quicker) and with its byte table from ``uag-bytes-<key>.pkl``, both written the first time
+    (a stale key's removed)."""
+    from uag.runtime.fasttok import FastTokenizer, compact_tokenizer_json
 
     if os.environ.get("UAG_TOKENIZER_CACHE", "1") == "0":
         return FastTokenizer.from_dir(source)
@@ -125,20 +127,42 @@ def _load_fast(source: str, directory: Path) -> Any:
     memo = f"fast\0{directory}\0{key}"
     if memo in _LOADED:
         return _LOADED[memo]
-    tokenizer = FastTokenizer.from_dir(source)
-    inside = directory.is_relative_to(cache_root().resolve())
+    if not directory.is_relative_to(cache_root().resolve()):
+        _LOADED[memo] = FastTokenizer.from_dir(source)  # never written to: not uag's directory
+        return _LOADED[memo]
+    compact = directory / f"uag-fast-{key}.json"
+    if not compact.is_file():
+        FastTokenizer.from_dir(source)  # refuses (NotRepresentable) before any work
+        _replace(directory, "uag-fast-*.json")
+        _write_text(compact, compact_tokenizer_json(directory / "tokenizer.json"))
+    tokenizer = FastTokenizer.from_dir(source, backend_file=compact if compact.is_file() else None)
     path = directory / f"uag-bytes-{key}.pkl"
-    table = _read_pickle(path) if inside else None
+    table = _read_pickle(path)
     if isinstance(table, list) and len(table) == len(tokenizer):
         setattr(tokenizer, TABLE_ATTR, table)
     else:
         token_bytes_table(tokenizer, len(tokenizer))  # kept on the tokenizer (TABLE_ATTR)
-        if inside:
-            for stale in directory.glob("uag-bytes-*.pkl"):
-                stale.unlink(missing_ok=True)
-            _write_pickle(path, getattr(tokenizer, TABLE_ATTR))
+        _replace(directory, "uag-bytes-*.pkl")
+        _write_pickle(path, getattr(tokenizer, TABLE_ATTR))
     _LOADED[memo] = tokenizer
     return tokenizer
+
+
+def _replace(directory: Path, pattern: str) -> None:
+    """Remove a stale key's entries before writing the new one's (a read-only cache: kept)."""
+    for stale in directory.glob(pattern):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def _write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # atomic, as _write_pickle
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _read_pickle(path: Path) -> Any:
