@@ -66,9 +66,18 @@ def test_tiny_target_is_row_invariant_bitwise(tokenizers, mode):
     assert torch.equal(alone, chunked)
 
 
-def test_plain_kernels_are_not_claimed_invariant(tokenizers):
+def test_plain_kernels_are_claimed_invariant_only_as_checked(tokenizers):
+    """Plain float32 products round a row differently with the row count here; the load-time
+    check (``uag.runtime.invariance``) finds it and pads every short forward to one shape, and
+    then a row's logits are the same bits however many rows share its forward."""
     pair = cross_pair(tokenizers, kernels="plain")
-    assert pair.kernels == "plain" and not pair.target_lm.row_invariant
+    lm = pair.target_lm
+    assert pair.kernels == "plain" and lm.invariance is not None
+    assert lm.row_invariant == lm.invariance.invariant
+    if lm.row_invariant:
+        ids = pair.target.tokenizer("def f(x):\n    return x * 2\n")["input_ids"]
+        alone, chunked = one_row_vs_chunked_logits(lm, ids[:5], ids[5:] * 3)
+        assert torch.equal(alone, chunked)
     for prompt in ("def f(x):\n    return", "Hello 😀 你好\r\n"):
         ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
         out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=24)
@@ -425,6 +434,8 @@ def test_guard_recomputes_forced_near_ties(tokenizers):
     winner = max(set(later), key=later.count)  # an often-chosen token
     loser = (winner + 1) % pair.target_lm.vocab_size
     lm = pair.target_lm
+    lm.set_pad_rows(0)  # a path that failed the load-time check (uag.runtime.invariance)
+    lm.row_invariant = False
     lm._greedy = _RowCountDependentHead(lm._greedy, winner=winner, loser=loser)
     ref = uag.generate(pair, prompt, policy=None, max_new_tokens=40)
     assert winner in ref.token_ids[1:]

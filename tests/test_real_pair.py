@@ -31,6 +31,41 @@ def test_lossless_on_nasty_prompts(real_pair, name):
     assert out.token_ids == ref.token_ids, (out.text, ref.text)
 
 
+BF16_CI_PROMPTS = (
+    "cjk",
+    "crlf",
+    "emoji_run",
+    "long_digits",
+    "python_deep_indent",
+    "special_token_text",
+)
+
+
+@pytest.fixture(scope="module")
+def bf16_plain_pair():
+    """The embedded pair in bfloat16 on the plain path (a GPU's arithmetic, on this CPU)."""
+    return uag.load_pair(kernels="plain", dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n in BF16_CI_PROMPTS else pytest.mark.slow)
+        for n in sorted(NASTY_PROMPTS)
+    ],
+)
+def test_lossless_in_bf16_on_the_plain_path(bf16_plain_pair, name):
+    """``--kernels plain --dtype bfloat16``, lookahead 6: the load-time check
+    (``uag.runtime.invariance``) settles the path row-count invariant, padded or not, or the
+    guard stays on; either way the output is the target's own (all prompts with -m slow)."""
+    pair = bf16_plain_pair
+    assert pair.kernels == "plain" and pair.target_lm.invariance is not None
+    prompt = NASTY_PROMPTS[name]
+    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=16)
+    out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=16)
+    assert out.token_ids == ref.token_ids, (out.text, ref.text)
+
+
 def _sample_ids(pair) -> list[int]:
     text = "def mean(xs: list[float]) -> float:\n    return sum(xs) / len(xs)\n\n# 日本語 ✓ 😀\r\n"
     return pair.target.tokenizer(text * 6)["input_ids"]

@@ -22,9 +22,15 @@ from uag.decoding.sampling import (
 from uag.runtime.runner import CachedLM, HeadOutput
 
 TIE_BOUND = 4e-3
-"""Logit margin under which a verified position is recomputed alone (non-invariant kernels).
-Row-count differences measured on the real target: ≤ 9e-5 per logit end to end (MKL and oneDNN
-linears, fused attention), so a flip needs a margin under ~2e-4; this bound is 20x that."""
+"""Least logit margin under which a verified position is recomputed alone, on paths that fail
+the load-time row-count check (``uag.runtime.invariance``). float32: differences measured on
+the real target are ≤ 9e-5 per logit end to end (MKL and oneDNN linears, fused attention), so a
+flip needs a margin under ~2e-4; this bound is 20x that."""
+TIE_ULPS = 8
+"""In low precision the bound grows with the dtype's rounding at the logits' magnitude: a
+position computed alone and among others differed by up to 1.5 units in the last place of its
+largest logit in bfloat16 (0.188 at logits ~26, a Gemma-shaped model on the plain path); a
+margin under 8 such units is recomputed (``tie_bound``)."""
 
 
 class GreedyVerifier:
@@ -32,10 +38,11 @@ class GreedyVerifier:
     token after it (the correction at the first mismatch, or the bonus after a full match): the
     output is exactly the target's, and every round makes progress.
 
-    With row-count-invariant kernels that is bitwise what target-alone computes. With other
-    kernels (CUDA, ``--kernels plain``) a row may round differently by up to ~1e-4 in a logit,
-    so a verified position whose top-2 margin is under ``TIE_BOUND`` is recomputed alone, as
-    target-alone computes it.
+    With row-count-invariant kernels (native by construction; any other path that passes the
+    load-time check, ``uag.runtime.invariance``) that is bitwise what target-alone computes. On
+    a path that fails the check a row may round differently with the row count, so a verified
+    position whose top-2 margin is under ``tie_bound`` is recomputed in a one-row forward (over
+    the cache as verified: exact up to that bound, see docs/lossless.md).
     """
 
     def __init__(self) -> None:
@@ -90,9 +97,22 @@ class GreedyVerifier:
         return self._stats
 
 
+def tie_bound(logits: torch.Tensor) -> float:
+    """The margin under which one head row's argmax may differ between a row computed alone and
+    among others: ``TIE_BOUND``, or ``TIE_ULPS`` units in the last place of the row's largest
+    logit in the logits' own dtype, whichever is larger (bf16: ~1 at logits ~26)."""
+    if logits.dtype == torch.float32:
+        return TIE_BOUND
+    scale = float(logits.abs().max())
+    return max(TIE_BOUND, TIE_ULPS * torch.finfo(logits.dtype).eps * scale)
+
+
 def _first_near_tie(head: HeadOutput, *, upto: int) -> int | None:
-    """The first head row in ``0..upto`` whose top-2 logit margin is under ``TIE_BOUND``."""
-    return next((row for row in range(upto + 1) if head.margin(row) < TIE_BOUND), None)
+    """The first head row in ``0..upto`` whose top-2 logit margin is under its ``tie_bound``."""
+    return next(
+        (row for row in range(upto + 1) if head.margin(row) < tie_bound(head.logits[row])),
+        None,
+    )
 
 
 def _recompute_alone(target: CachedLM, *, row: int, base: int) -> HeadOutput:

@@ -130,7 +130,7 @@ class _Rope:
                 inv, scaling = rotary.inv_freq, rotary.attention_scaling
             self.tables[kind] = (inv.detach().float().clone(), float(scaling))
         self._table: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-        """CPU float32 cos/sin rows for positions 0, 1, ...: grown on demand, never saved."""
+        """float32 cos/sin rows for positions 0, 1, ... on the device: grown on demand, never saved."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_table": None}
@@ -140,18 +140,17 @@ class _Rope:
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``positions`` ``[n]`` (consecutive) → ``{kind: (cos [n, d], sin [n, d])}``.
 
-        On CPU in float32 the rows are slices of one table, grown 64 positions at a time: a
-        position's rows are the same bits whichever forward asks, however many rows it has
-        (computed per forward, a vectorised cos could round an entry differently in a short
-        call's scalar tail). Elsewhere they are computed for the call."""
-        if positions.device.type != "cpu" or dtype != torch.float32:
-            return self._compute(positions, dtype)
+        The rows are slices of one float32 table on the positions' device, grown 64 positions
+        at a time: a position's rows are the same bits whichever forward asks, however many
+        rows it has (computed per forward, a vectorised cos could round an entry differently in
+        a short call's scalar tail), on every device and dtype (the slice is then rounded to
+        ``dtype``, an elementwise, exactly rounded conversion)."""
         start, n = int(positions[0]), int(positions.shape[0])
         have = 0 if self._table is None else next(iter(self._table.values()))[0].shape[0]
         if start + n > have:  # grow: double, in blocks computed one call each (no thread split)
             upto = max(-(-(start + n) // self.BLOCK) * self.BLOCK, 2 * have)
             blocks = [
-                self._compute(torch.arange(b, b + self.BLOCK), dtype)
+                self._compute(torch.arange(b, b + self.BLOCK, device=positions.device))
                 for b in range(have, upto, self.BLOCK)
             ]
             old = [] if self._table is None else [self._table]
@@ -165,20 +164,16 @@ class _Rope:
         table = self._table
         assert table is not None
         return {
-            kind: (c[start : start + n], s[start : start + n]) for kind, (c, s) in table.items()
+            kind: (c[start : start + n].to(dtype), s[start : start + n].to(dtype))
+            for kind, (c, s) in table.items()
         }
 
-    def _compute(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _compute(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
         for kind, (inv, scaling) in self.tables.items():
             freqs = positions[:, None].float() * inv.to(positions.device)
             emb = torch.cat((freqs, freqs), dim=-1)
-            out[kind] = (
-                (emb.cos() * scaling).to(dtype).contiguous(),
-                (emb.sin() * scaling).to(dtype).contiguous(),
-            )
+            out[kind] = ((emb.cos() * scaling).contiguous(), (emb.sin() * scaling).contiguous())
         return out
 
 
@@ -284,6 +279,13 @@ class LeanBody:
         self.rope = _Rope(body.rotary_emb, self.layer_types, gemma=self.gemma)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.pad_rows = 0
+        """Forwards of ``n <= pad_rows`` rows run every product, norm and activation on
+        ``pad_rows`` rows (zeros after the real ones; attention and the cache see the real rows
+        only): every decode step and verify then has one shape, so kernels whose rounding
+        depends on the row count (a GPU's GEMV against its GEMM, oneDNN's vector tails) compute
+        a position the same way in both. 0: off (the native layers compute rows alone anyway).
+        Set by ``uag.runtime.invariance``."""
         self.attach_native()
 
     def attach_native(self) -> None:
@@ -306,6 +308,7 @@ class LeanBody:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("pad_rows", 0)
         self.__dict__.update(state)
         self.attach_native()
 
@@ -381,12 +384,16 @@ class LeanBody:
                     self.native(hidden[lo : lo + piece], cache, start + lo, part)
             cache.length = start + n
             return self.native.norm(hidden, self.final_norm)
+        pad = self.pad_rows - n if n <= self.pad_rows else 0
+        if pad:  # one shape for every short forward (``pad_rows``)
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+            rope = self.rope(torch.arange(start, start + n + pad, device=self.device), hidden.dtype)
         rope = {kind: (cos[:, None, :], sin[:, None, :]) for kind, (cos, sin) in rope.items()}
         for index, layer in enumerate(self.layers):
             kind = self.layer_types[index]
             window = self.window if kind == "sliding_attention" else None
             x = self._attention(
-                layer, layer.norms[0](hidden), rope[kind], cache, index, start, window
+                layer, layer.norms[0](hidden), rope[kind], cache, index, start, window, real=n
             )
             if self.gemma:
                 hidden = hidden + layer.norms[1](x)
@@ -395,7 +402,7 @@ class LeanBody:
                 hidden = hidden + x
                 hidden = hidden + layer.mlp(layer.norms[1](hidden))
         cache.length = start + n
-        return self.final_norm(hidden)
+        return self.final_norm(hidden)[:n]
 
     def _attention(
         self,
@@ -406,7 +413,11 @@ class LeanBody:
         index: int,
         start: int,
         window: int | None,
+        *,
+        real: int,
     ) -> torch.Tensor:
+        """Attention of the first ``real`` rows of ``x`` (the rest pad the products' shape, see
+        ``pad_rows``: they write no keys and attend to nothing)."""
         n, d = x.shape[0], self.head_dim
         q, k, v = layer.project_qkv(x)
         q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)  # [n, heads, d]
@@ -416,12 +427,13 @@ class LeanBody:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values = cache.keys[index], cache.values[index]
-        keys[:, start : start + n] = k.transpose(0, 1)
-        values[:, start : start + n] = v.transpose(0, 1)
-        if n <= ROWWISE_MAX_ROWS:
-            out = torch.cat(
-                [self._attend_row(q[i], keys, values, start + i, window) for i in range(n)]
-            )
+        keys[:, start : start + real] = k[:real].transpose(0, 1)
+        values[:, start : start + real] = v[:real].transpose(0, 1)
+        if real <= ROWWISE_MAX_ROWS:
+            rows = [self._attend_row(q[i], keys, values, start + i, window) for i in range(real)]
+            if n > real:
+                rows.append(q.new_zeros(n - real, q.shape[1] * d))
+            out = torch.cat(rows)
         else:
             out = self._attend_block(q, keys, values, start, window)
         return layer.o(out)  # [n, h]

@@ -21,6 +21,7 @@ from uag.kernels import hugepages
 from uag.kernels.choice import accelerate_target, is_row_invariant, swap_linears
 from uag.kernels.native import draft_stats
 from uag.kernels.screened import ScreenedHead, calibrate
+from uag.runtime import invariance
 from uag.runtime.draft_vocab import draft_head
 from uag.runtime.lean import LeanBody, lean_body_for
 
@@ -103,7 +104,15 @@ class CachedLM:
         )
         self.row_invariant = False
         """A position's logits do not depend on how many positions share the forward (bitwise),
-        for forwards of up to ``ROWWISE_MAX_ROWS`` rows; otherwise verification guards near-ties."""
+        for forwards of up to ``ROWWISE_MAX_ROWS`` rows; otherwise verification guards near-ties.
+        By construction on the native kernels; checked at load elsewhere
+        (``uag.runtime.invariance``)."""
+        self.invariance: Any = None
+        """``uag.runtime.invariance.Invariance``: how ``row_invariant`` was found at load (None:
+        by construction, or never checked)."""
+        self.pad_rows = 0
+        """The heads (and a lean body's products) run forwards of fewer rows on this many
+        (``set_pad_rows``); 0: off."""
         self.ids: list[int] = []
         self.cached = 0
         self.cache: Any = None
@@ -132,6 +141,22 @@ class CachedLM:
         if moved and self.lean is not None:
             self.lean.attach_native()  # its C structs point into the weights
         return moved
+
+    def set_pad_rows(self, rows: int) -> None:
+        """Run every forward of up to ``rows`` rows, and the heads over its rows, on ``rows``
+        rows (``uag.runtime.lean.LeanBody.pad_rows``): one shape for every decode step and
+        verify. A model without a lean body pads its heads only."""
+        self.pad_rows = rows
+        if self.lean is not None:
+            self.lean.pad_rows = rows
+
+    def _padded(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` with zero rows after it up to ``pad_rows`` (a head's rows are computed
+        alone by shape: the extra rows change no real row's result, only the kernel's shape)."""
+        n = int(hidden.shape[0])
+        if 0 < n < self.pad_rows:
+            return torch.cat([hidden, hidden.new_zeros(self.pad_rows - n, hidden.shape[1])])
+        return hidden
 
     def twin(self) -> CachedLM:
         """Another sequence on the same model and heads, with its own ids and cache."""
@@ -194,7 +219,9 @@ class CachedLM:
         if self._greedy is None:
             logits = self.logits(hidden)
             return HeadOutput(logits.argmax(dim=-1).tolist(), logits)
-        return self._greedy(hidden)
+        n = int(hidden.shape[0])
+        out = self._greedy(self._padded(hidden))
+        return out if len(out.ids) == n else HeadOutput(out.ids[:n], out.logits[:n])
 
     @torch.inference_mode()
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -211,7 +238,7 @@ class CachedLM:
             streamed = getattr(self._full, "streamed", None)
             if self.in_huge_pages and streamed is not None:  # sampling streams it every step
                 hugepages.move(streamed())
-        out = self._full(hidden).float()
+        out = self._full(self._padded(hidden))[: hidden.shape[0]].float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
@@ -255,7 +282,7 @@ class CachedLM:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full float32 logits for the rows of ``hidden`` (with Gemma-style soft-capping)."""
-        out = self.head(hidden).float()
+        out = self.head(self._padded(hidden))[: hidden.shape[0]].float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
@@ -329,9 +356,12 @@ def target_lm_for(model: Any, tokenizer: Any, mode: str) -> CachedLM:
     lm = CachedLM(model, greedy_head=True, fast_head=fast_head)
     if isinstance(fast_head, ScreenedHead):  # only speed depends on the channels it picks
         calibrate(lm, tokenizer, fast_head)
-    lm.row_invariant = fast_head is not None and is_row_invariant(
-        model, rowwise_attention=lm.lean is not None
-    )
+    if mode == "native":  # by construction: exact products, rows computed alone
+        lm.row_invariant = fast_head is not None and is_row_invariant(
+            model, rowwise_attention=lm.lean is not None
+        )
+    else:  # library kernels: the whole forward checked on this model's shapes
+        lm.invariance = invariance.settle(lm)
     return lm
 
 
