@@ -2,13 +2,16 @@
 
 ``speculate`` builds one round's objects (``uag.decoding.round``): the verifier and the
 assistant's draft distribution, greedy or sampled (the only difference between the two), and the
-fixed drafter choice (prompt lookup first, else the assistant), and runs it. Greedy output is
-token-for-token what ``target_alone`` returns; sampled output is distributed as its.
+drafter choice: the fixed one (prompt lookup first, else the assistant), or the policy's own
+when it makes one (``ChoosingPolicy``: the bandit arm, ``controllers.bandit``), and runs it.
+Greedy output is token-for-token what ``target_alone`` returns; sampled output is distributed
+as its.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -23,10 +26,28 @@ from uag.decoding.drafters import (
 )
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import StopPolicy
-from uag.decoding.round import LoopOutput, OnTokens, Session, Verifier, decode, target_only_loop
+from uag.decoding.round import (
+    DrafterChoice,
+    LoopOutput,
+    OnTokens,
+    Session,
+    Verifier,
+    decode,
+    target_only_loop,
+)
 from uag.decoding.sampling import Intersection, SamplingConfig, categorical, processed_probs
 from uag.decoding.verifiers import GreedyVerifier, SamplingVerifier
 from uag.runtime.runner import CachedLM
+
+
+@runtime_checkable
+class ChoosingPolicy(Protocol):
+    """A stop policy that also chooses each round's drafter (``controllers.bandit``): given the
+    drafters built here, it returns the choice the loop asks, instead of ``LookupFirst``."""
+
+    def choice(
+        self, *, assistant: AssistantDrafter | None, lookup: LookupDrafter | None
+    ) -> DrafterChoice: ...
 
 
 def target_alone(
@@ -113,10 +134,13 @@ def speculate(
         # Target statistics and per-step re-encodings cost a little: only when someone reads them.
         rich=keep_steps or policy.needs_features,
     )
-    choice = LookupFirst(
-        assistant=AssistantDrafter(
-            assistant=assistant, prompt_ids=prompt_assistant_ids, policy=policy, draw=draw
-        ),
-        lookup=LookupDrafter(lookup) if lookup is not None else None,
+    drafter = AssistantDrafter(
+        assistant=assistant, prompt_ids=prompt_assistant_ids, policy=policy, draw=draw
+    )
+    copier = LookupDrafter(lookup) if lookup is not None else None
+    choice: DrafterChoice = (
+        policy.choice(assistant=drafter, lookup=copier)
+        if isinstance(policy, ChoosingPolicy)
+        else LookupFirst(assistant=drafter, lookup=copier)
     )
     return decode(session=session, choice=choice, on_tokens=on_tokens)
