@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from uag.api import Pair, load_pair
+from uag.api import Pair, load_pair, resolve_assistant_int8
 from uag.errors import UagError
 from uag.paths import unwritable
 from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
@@ -27,13 +27,19 @@ class RunConfig:
     chat: bool = False
     device: str = "auto"
     dtype: str = "auto"
-    assistant_int8: bool = False
+    assistant_int8: bool | None = None
+    """The assistant on 4-bit / int8 weights; None: on wherever it can run (CPU float32), as
+    ``uag.api.load_pair`` and every command decide it. Resolved on construction, so a collected
+    run's meta and a bench report record what ran."""
     kernels: str = "auto"
     draft_vocab: int | None = None
     """The assistant drafts from its first N ids (``uag.runtime.draft_vocab``); None: the default where
     its head can be cut; 0: every id."""
 
     def __post_init__(self) -> None:
+        self.assistant_int8 = resolve_assistant_int8(
+            self.assistant_int8, device=self.device, dtype=self.dtype
+        )
         problem = unwritable(Path(self.out), directory=True)
         if problem is not None:
             raise UagError(f"--out: {problem}")

@@ -65,7 +65,7 @@ def humaneval_prompts(spec: str) -> list[str]:
 def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[str, object]:
     torch.manual_seed(0)
     stock = api.load_pair(kernels="plain")  # Transformers' arms: the models as loaded
-    pair = api.load_pair(kernels=kernels)
+    pair = api.load_pair(kernels=kernels, assistant_int8=False)  # the float assistant
     int8_pair = api.load_pair(kernels=kernels, assistant_int8=True)  # as --assistant-int8 runs
     assistant_model = stock.assistant.model
     assistant_model.generation_config.num_assistant_tokens = lookahead
