@@ -454,9 +454,10 @@ def generate(
 def _arm_name(policy: StopPolicy | None, lookup: PromptLookup | None) -> str:
     if policy is None:
         return "target-only"
-    if lookup is None or policy.name == "lookup":
+    if lookup is None or policy.name in ("lookup", "bandit"):
         return policy.name
-    return f"{policy.name}+lookup"
+    hybrid = "" if lookup.min_ngram == 1 else f"-{lookup.min_ngram}"  # +lookup-N
+    return f"{policy.name}+lookup{hybrid}"
 
 
 class _Streamer:
