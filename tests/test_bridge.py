@@ -97,7 +97,8 @@ def test_normalising_tokenizer_is_refused():
 
 
 def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
-    """A checkpoint inside $UAG_CACHE loads its tokenizer from a pickle the second time, with
+    """A checkpoint inside $UAG_CACHE loads Transformers' tokenizer (``fast=False``; the fast
+    one: tests/test_fast_tokenizer.py) from a pickle the second time, with
     the same encodings, decodings and byte table; an edited tokenizer is rebuilt; a directory
     outside the cache is never written to."""
     from uag.runtime import tokcache
@@ -108,12 +109,12 @@ def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
     tok0 = tokenizers[1]  # SmolLM2's (byte-level BPE): Gemma's takes ~10x longer to save
     inside = tmp_path / "cache" / "models" / "g"
     tok0.save_pretrained(inside)
-    first = tokcache.load_tokenizer(str(inside))
+    first = tokcache.load_tokenizer(str(inside), fast=False)
     entries = list(inside.glob("uag-tokenizer-*.pkl"))
     assert len(entries) == 1
-    assert tokcache.load_tokenizer(str(inside)) is first  # this process keeps it
+    assert tokcache.load_tokenizer(str(inside), fast=False) is first  # this process keeps it
     tokcache._LOADED.clear()  # a new process: from the pickle
-    second = tokcache.load_tokenizer(str(inside))
+    second = tokcache.load_tokenizer(str(inside), fast=False)
     assert second is not first
     assert getattr(second, tokcache.TABLE_ATTR) == token_bytes_table(tok0, len(tok0))
     text = "def f(x):\r\n\tif x:  # café 😀 你好\n        return 12345678901234"
@@ -126,12 +127,12 @@ def test_tokenizer_cache_round_trip(tokenizers, tmp_path, monkeypatch):
     import os
 
     os.utime(config, ns=(0, 0))
-    tokcache.load_tokenizer(str(inside))
+    tokcache.load_tokenizer(str(inside), fast=False)
     now = list(inside.glob("uag-tokenizer-*.pkl"))
     assert len(now) == 1 and now != entries
     outside = tmp_path / "mine"
     tok0.save_pretrained(outside)
-    tokcache.load_tokenizer(str(outside))
+    tokcache.load_tokenizer(str(outside), fast=False)
     assert not list(outside.glob("uag-tokenizer-*")) and not list(tmp_path.glob("cache/token*"))
 
 
