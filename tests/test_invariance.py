@@ -216,3 +216,22 @@ def test_padding_is_one_shape_for_every_short_forward(tokenizers):
         lm.ids.extend(range(100, 100 + rows))
         assert lm.forward().shape[0] == rows
     assert set(seen) == {ROWWISE_MAX_ROWS}
+
+
+def test_the_check_reads_the_sampling_logits_too(tokenizers):
+    """Sampling verifies with ``full_logits`` rows: a path whose sampling head rounds a row
+    differently with the row count (its greedy head and hidden states invariant) is caught, so
+    sampling on a checked path reads the same probabilities as target-alone sampling."""
+    gemma_tok, _ = tokenizers
+    model = tiny_gemma(len(gemma_tok))
+    pair = make_pair(
+        wrap_model(model, gemma_tok, ref="t"),
+        wrap_model(model, gemma_tok, ref="a"),
+        kernels="plain",
+    )
+    lm = pair.target_lm
+    assert lm.row_invariant and invariance.compare_rows(lm) is None
+    full = lm.full_logits
+    lm.full_logits = lambda hidden: full(hidden) + (1e-6 if hidden.shape[0] > 1 else 0.0)
+    found = invariance.compare_rows(lm)
+    assert found is not None and found.startswith("sampling logits"), found
