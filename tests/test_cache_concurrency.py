@@ -33,7 +33,8 @@ def test_two_prepares_at_once_on_an_empty_cache(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny-llama.gguf")
     cache = tmp_path / "cache"
     env = {**os.environ, "UAG_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    prepare = ["models", "prepare", str(gguf), "--as", "target", "--as", "assistant"]
+    # the roles a default generate loads: the target, and the int8 assistant (the CPU default)
+    prepare = ["models", "prepare", str(gguf), "--as", "target", "--as", "assistant-int8"]
     both = [_uag(*prepare, env=env, cwd=tmp_path) for _ in range(2)]
     native = native_unavailable() is None
     for proc in both:
