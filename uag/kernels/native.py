@@ -33,6 +33,7 @@ plain kernels instead, which the tests also cover.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import functools
@@ -184,11 +185,58 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     if capability not in ("AVX2", "AVX512"):
         return None, f"needs AVX2 (torch reports {capability})"
     try:
-        lib = _load(_build(cache_root() / "kernels"))
+        path = _build(cache_root() / "kernels")
+        lib = _load(path)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
         return None, str(err)
+    passed = _self_test_mark(path)
+    if passed.is_file():
+        return lib, None
     problem = _self_test(lib)
-    return (None, problem) if problem else (lib, None)
+    if problem:
+        return None, problem
+    with contextlib.suppress(OSError):  # a read-only cache: the test runs on every start
+        passed.touch()
+    return lib, None
+
+
+def _cpu_identity() -> str:
+    """The CPU as far as the kernels' results can depend on it: its model name and every
+    instruction-set flag the kernel reports (``/proc/cpuinfo``), beside what torch detects."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("model name", "flags", "Features")
+    found = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in wanted and name.strip() not in found:
+            found[name.strip()] = " ".join(value.split())
+    return "|".join(
+        [platform.machine(), str(torch.backends.cpu.get_cpu_capability())]
+        + [f"{name}={found.get(name, '')}" for name in wanted]
+    )
+
+
+def _self_test_mark(library: Path) -> Path:
+    """The file whose presence says ``_self_test`` passed for this exact library on this CPU.
+
+    Why cached: the self-test costs ~0.1-1 s of every start (~1 s where OpenMP's threads wait
+    for a busy core), a quarter of a one-token ``uag generate``. Why this key: what the test
+    proves depends on the compiled code (the ``.so``'s bytes, not its name), on the CPU that
+    runs it (model and instruction-set flags: another CPU may take other code paths, e.g. VNNI),
+    on the Python that packs the weights and checks the results (this module and
+    ``uag.kernels.formats``), on torch (the reference ``F.linear``) and on the thread count the
+    kernels split their rows over. Any of them changing gives another file, so the test runs
+    again; a failed test writes nothing."""
+    digest = hashlib.sha256()
+    digest.update(library.read_bytes())
+    for source in (Path(__file__), Path(__file__).with_name("formats.py")):
+        digest.update(source.read_bytes())
+    digest.update(_cpu_identity().encode())
+    digest.update(f"|torch {torch.__version__}|threads {torch.get_num_threads()}".encode())
+    return library.with_name(f"{library.stem}-selftest-{digest.hexdigest()[:20]}.ok")
 
 
 def integer_products() -> bool:
