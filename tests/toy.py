@@ -51,7 +51,12 @@ def _ascii(data: bytes) -> bool:
 
 
 def toy_pair(
-    *, noise: float = 0.05, sharpness: float = 20.0, kernels: str = "auto", ascii_only: bool = True
+    *,
+    noise: float = 0.05,
+    sharpness: float = 20.0,
+    kernels: str = "auto",
+    ascii_only: bool = True,
+    attention: bool = False,
 ) -> Pair:
     """Tiny Gemma target ← the same network re-indexed to the assistant's vocabulary (+ noise).
 
@@ -59,7 +64,9 @@ def toy_pair(
     (a random tiny model's are nearly flat, and its top-k set would be a coin toss). Attention
     outputs are zeroed: the next-token distribution then depends on the last token's bytes
     only, which both vocabularies spell alike, so the two models agree as a trained pair would
-    (random networks fed two different tokenisations otherwise share nothing).
+    (random networks fed two different tokenisations otherwise share nothing). ``attention``
+    True keeps them: the output then depends on the context instead of settling into a loop
+    of one token, and the two agree less (where the tokenisations differ).
 
     ``ascii_only`` False keeps the tokens of multi-byte characters (whole or in pieces: 'é',
     '😀' and '你好' split into byte tokens) in play, so samples can stop mid-character."""
@@ -68,7 +75,7 @@ def toy_pair(
     table_t = token_bytes_table(target_tok, len(target_tok))
     with torch.no_grad():
         target.model.norm.weight.fill_(sharpness - 1.0)  # Gemma's norm scales by 1 + weight
-        for layer in target.model.layers:
+        for layer in target.model.layers if not attention else ():
             layer.self_attn.o_proj.weight.zero_()
         for tid, data in enumerate(table_t):  # a zero (tied) row: a logit of 0, never top-k,
             if ascii_only and not _ascii(data):  # samples then stay whole ASCII characters
