@@ -7,6 +7,7 @@ process does not."""
 from __future__ import annotations
 
 import gc
+import json
 import mmap
 import platform
 import subprocess
@@ -147,3 +148,28 @@ def test_only_the_command_line_freezes_the_collector_at_exit():
         [sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True
     )
     assert done.stdout.split()[-2:] == ["2", "True"]
+
+
+def test_the_compact_json_lists_the_vocabulary_in_key_order_and_builds_the_same(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from uag.runtime.fasttok import compact_tokenizer_json
+
+    vocab = {"b": 0, "a": 1, "é": 2, "ab": 3, "ba": 4, "z": 5}  # ids not in key order
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(BPE(vocab=vocab, merges=[("a", "b"), ("b", "a")])).save(str(path))
+    compact = compact_tokenizer_json(path)
+    written = list(json.loads(compact)["model"]["vocab"])
+    assert written == sorted(vocab) and written != list(vocab)
+    assert Tokenizer.from_str(compact).to_str() == Tokenizer.from_file(str(path)).to_str()
+
+
+def test_a_new_compact_format_gives_the_tokenizer_another_cache_key(tmp_path, monkeypatch):
+    """An older compact copy is not read as the new one: the format is in the key."""
+    from uag.runtime import fasttok, tokcache
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    key = tokcache._key(tmp_path, fast=True)
+    monkeypatch.setattr(fasttok, "COMPACT_FORMAT", fasttok.COMPACT_FORMAT + 1)
+    assert tokcache._key(tmp_path, fast=True) not in (None, key)

@@ -308,15 +308,27 @@ class FastTokenizer:
         return f"FastTokenizer(name_or_path={self.name_or_path!r}, len={len(self)})"
 
 
+COMPACT_FORMAT = 2
+"""Bumped whenever ``compact_tokenizer_json`` writes another text (it keys the cached copy)."""
+
+
 def compact_tokenizer_json(path: Path) -> str:
     """``tokenizer.json`` at ``path`` as the text that builds the very same Rust object fastest:
-    no indentation, and BPE merges as ``"a b"`` strings (the older form ``tokenizers`` still
-    reads) where no merged token holds a space. Gemma 3's 515k merges then read in ~0.95 s
-    instead of ~1.3 s. Checked here: the text's tokenizer serialises exactly as the file's
-    (``to_str``); where it would not, the file's own text is returned."""
+    no indentation, BPE merges as ``"a b"`` strings (the older form ``tokenizers`` still
+    reads) where no merged token holds a space, and the vocabulary's entries in key order.
+    Gemma 3's 515k merges then read in ~0.95 s instead of ~1.3 s; the sorted vocabulary takes
+    another ~20 % off (0.80 → 0.64 s of CPU): ``tokenizers`` parses the model into a
+    ``serde_json`` map, a B-tree, before building its hash map, and 262k keys inserted in order
+    keep that tree's path in cache. The vocabulary is a hash map once built, so its order in the
+    text changes nothing. Checked here: the text's tokenizer serialises exactly as the file's
+    (``to_str``, which writes the vocabulary by id); where it would not, the file's own text is
+    returned."""
     original = path.read_text(encoding="utf-8")
     data = json.loads(original)
     model = data.get("model") or {}
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        model["vocab"] = dict(sorted(vocab.items()))  # code point order: UTF-8's byte order
     merges = model.get("merges")
     if (
         model.get("type") == "BPE"

@@ -63,7 +63,9 @@ def _key(source: Path, *, fast: bool = False) -> str | None:
     if not (source / "tokenizer.json").is_file():
         return None
     if fast:
-        shaped_by = f"fast|{tokenizers.__version__}"
+        from uag.runtime.fasttok import COMPACT_FORMAT
+
+        shaped_by = f"fast|{tokenizers.__version__}|compact {COMPACT_FORMAT}"
     else:
         # Transformers takes seconds to import and the CLI imports this module (through
         # uag.runtime.models) at start-up: only loading its tokenizer pays.
