@@ -145,9 +145,11 @@ def measure(all_arms: list[Arm], *, repeats: int, log: bool = True) -> dict[str,
     return times
 
 
-def table(times: dict[str, list[float]]) -> str:
+def table(times: dict[str, list[float]], *, load: tuple[float, float] | None = None) -> str:
     """Markdown: per arm the median, min and max wall time and the median's ratio to the
-    import's; then whether the new build meets the issue's bounds."""
+    import's; then whether the new build meets the issue's bounds, and ``load``, the 1-minute
+    load average before and after the rounds (on a shared machine the figures are only
+    indicative when it is not well under the core count)."""
     base = statistics.median(times[IMPORT_ARM])
     lines = [
         "| run | median s | min s | max s | median / import |",
@@ -163,6 +165,7 @@ def table(times: dict[str, list[float]]) -> str:
         f"new build: {new:.2f} s median, {new / base:.2f}x the import "
         f"(bounds: {LIMIT_S:.0f} s, {LIMIT_RATIO:.0f}x): {'met' if ok else 'NOT met'}; "
         f"{len(times[IMPORT_ARM])} repeats"
+        + ("" if load is None else f"; load average {load[0]:.2f} before, {load[1]:.2f} after")
     )
     return "\n".join(lines)
 
@@ -201,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
             check_build(arm)
         print(f"coldstart: warming up {arm.name} (untimed)", file=sys.stderr, flush=True)
         run(arm, timeout=1800)  # a build's first start prepares its models in its cache
-    print(table(measure(all_arms, repeats=args.repeats)))
+    before = os.getloadavg()[0]
+    times = measure(all_arms, repeats=args.repeats)
+    print(table(times, load=(before, os.getloadavg()[0])))
 
 
 if __name__ == "__main__":
