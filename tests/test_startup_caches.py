@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import mmap
+import os
 import platform
 import subprocess
 import sys
@@ -126,13 +127,35 @@ def test_move_of_mapped_weights_keeps_every_bit_and_the_file_pages(tmp_path, cop
     values = torch.randn(3, 700_000)
     path = tmp_path / "weights.pt"
     torch.save({"a": values[0].clone(), "b": values[1:].clone()}, path)
+    with path.open("rb") as written:
+        os.fsync(written.fileno())  # clean pages, as a prepared file's are on a later start
     mapped = torch.load(path, mmap=True)
     owner = SimpleNamespace(a=mapped["a"], b=mapped["b"])
     originals = (owner.a, owner.b)
     assert hugepages.move([(owner, "a"), (owner, "b")]) >= values.numel() * 4
     assert torch.equal(owner.a, values[0]) and torch.equal(owner.b, values[1:])
     assert owner.a.data_ptr() != originals[0].data_ptr()
+    assert _cached_fraction(path) > 0.9  # the next start finds them in memory, not on disk
     assert torch.equal(originals[0], values[0]) and torch.equal(originals[1], values[1:])
+
+
+def _cached_fraction(path: Path) -> float:
+    """The fraction of ``path``'s pages in the page cache (``mincore`` over a fresh mapping)."""
+    import ctypes
+
+    import numpy as np
+
+    size, pages = path.stat().st_size, -(-path.stat().st_size // mmap.PAGESIZE)
+    status = (ctypes.c_ubyte * pages)()
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        array = np.frombuffer(view, dtype=np.uint8)  # for its address; nothing is read
+        failed = ctypes.CDLL(None).mincore(
+            ctypes.c_void_p(array.ctypes.data), ctypes.c_size_t(size), status
+        )
+        del array
+    if failed:
+        pytest.skip("mincore is refused here")
+    return sum(byte & 1 for byte in status) / pages
 
 
 def test_only_the_command_line_freezes_the_collector_at_exit():
