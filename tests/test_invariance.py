@@ -160,7 +160,7 @@ def test_onednn_with_a_width_not_a_multiple_of_32(tokenizers, monkeypatch):
     assert invariance.compare_rows(lm) is not None
 
 
-def test_a_path_failing_the_check_keeps_the_guard(tokenizers):
+def test_a_path_failing_the_check_keeps_the_guard(tokenizers, capsys):
     """Rows that differ padded or not leave ``row_invariant`` off, so the verifier guards
     near-ties, with the bound grown to the dtype's rounding at the logits' size."""
     gemma_tok, _ = tokenizers
@@ -178,6 +178,8 @@ def test_a_path_failing_the_check_keeps_the_guard(tokenizers):
     report = lm.invariance
     assert not report.invariant and not lm.row_invariant and lm.pad_rows == 0, report
     assert "padded" in report.detail
+    err = capsys.readouterr().err
+    assert "recomputes near-ties" in err and len(err.strip().splitlines()) == 1, err
     logits = torch.full((10,), 26.0, dtype=torch.bfloat16)
     assert verifiers.tie_bound(logits) == pytest.approx(8 * 2**-7 * 26)
     assert verifiers.tie_bound(logits.float()) == verifiers.TIE_BOUND

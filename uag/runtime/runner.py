@@ -9,6 +9,7 @@ it needs: the target needs an argmax per position, the assistant a full distribu
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -362,6 +363,13 @@ def target_lm_for(model: Any, tokenizer: Any, mode: str) -> CachedLM:
         )
     else:  # library kernels: the whole forward checked on this model's shapes
         lm.invariance = invariance.settle(lm)
+        if not lm.invariance.invariant:  # the guard's fallback: say so
+            print(
+                f"uag: on {mode} kernels the target's rows depend on the row count here "
+                f"({lm.invariance.detail}); verification recomputes near-ties alone "
+                "(docs/lossless.md)",
+                file=sys.stderr,
+            )
     return lm
 
 
