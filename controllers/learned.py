@@ -135,28 +135,12 @@ def read_contract(path: Path, session: Any) -> ControllerInfo:
     return info
 
 
-@dataclass
-class LearnedPolicy:
-    """Stop policy backed by an exported controller (see module docstring)."""
+class ContractWarnings:
+    """Warnings a controller file's contract gives at run time (``info``: its pair, precision,
+    decoding, draft vocabulary, profile device and training prompts; ``path``: the file)."""
 
+    info: Any
     path: Path
-    use_cuda: bool = False
-    name: str = field(default="learned", init=False)
-    needs_features: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        self.path = Path(self.path)  # a str from Python callers too
-        self.session = _session(self.path, use_cuda=self.use_cuda)
-        self.info = read_contract(self.path, self.session)
-        self.input_name = self.session.get_inputs()[0].name
-        self.output_name = self.session.get_outputs()[0].name
-        self.decisions = 0
-        self._cost = CostState(self.info.cost_rule()) if self.info.decision == "cost" else None
-
-    def _score(self, row: np.ndarray) -> float:
-        self.decisions += 1
-        out = self.session.run([self.output_name], {self.input_name: row[None, :]})[0]
-        return float(np.asarray(out).reshape(-1)[0])
 
     def warn_if_foreign(
         self,
@@ -227,6 +211,30 @@ class LearnedPolicy:
             decoding="greedy" if job.sampling is None else "sampling",
             draft_vocab=draft_vocab,
         )
+
+
+@dataclass
+class LearnedPolicy(ContractWarnings):
+    """Stop policy backed by an exported controller (see module docstring)."""
+
+    path: Path
+    use_cuda: bool = False
+    name: str = field(default="learned", init=False)
+    needs_features: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)  # a str from Python callers too
+        self.session = _session(self.path, use_cuda=self.use_cuda)
+        self.info = read_contract(self.path, self.session)
+        self.input_name = self.session.get_inputs()[0].name
+        self.output_name = self.session.get_outputs()[0].name
+        self.decisions = 0
+        self._cost = CostState(self.info.cost_rule()) if self.info.decision == "cost" else None
+
+    def _score(self, row: np.ndarray) -> float:
+        self.decisions += 1
+        out = self.session.run([self.output_name], {self.input_name: row[None, :]})[0]
+        return float(np.asarray(out).reshape(-1)[0])
 
     def reset(self) -> None:
         pass

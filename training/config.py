@@ -47,6 +47,9 @@ class TrainConfig:
     carried latency profile, ``controllers.cost``) or ``threshold`` (score thresholds chosen by
     replay on the validation prompts)."""
     progress: bool = True
+    replay: bool = True
+    """A plan (``uag collect --plan`` data, greedy): choose R and report by whole-run exact
+    replay on the tune and report prompts (loads the collection's pair); False: per round."""
 
     def __post_init__(self) -> None:
         if self.max_epochs < 1:

@@ -11,7 +11,6 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from training.model import ControllerNet
 from uag.errors import UagError
 
 PARITY_RTOL = 1e-3
@@ -19,10 +18,16 @@ PARITY_ATOL = 1e-5
 
 
 def export_onnx(
-    net: ControllerNet, path: Path, *, metadata: dict[str, Any], check_rows: np.ndarray
+    net: torch.nn.Module,
+    path: Path,
+    *,
+    metadata: dict[str, Any],
+    check_rows: np.ndarray,
+    output_name: str = "p_accept",
 ) -> float:
-    """Write ``path`` (input ``features`` [N, F] float32 → output ``p_accept`` [N]); return the
-    largest |onnxruntime − torch| difference on ``check_rows``, failing if outside tolerance."""
+    """Write ``path`` (input ``features`` [N, F] float32 → output ``output_name``: ``p_accept``
+    [N] for a stop controller, ``expected_tokens`` [N, A] for a plan); return the largest
+    |onnxruntime − torch| difference on ``check_rows``, failing if outside tolerance."""
     net = net.cpu().eval()
     path.parent.mkdir(parents=True, exist_ok=True)
     example = torch.from_numpy(check_rows[:2].astype(np.float32))
@@ -32,8 +37,8 @@ def export_onnx(
         (example,),
         str(tmp),
         input_names=["features"],
-        output_names=["p_accept"],
-        dynamic_axes={"features": {0: "n"}, "p_accept": {0: "n"}},
+        output_names=[output_name],
+        dynamic_axes={"features": {0: "n"}, output_name: {0: "n"}},
         dynamo=False,
     )
     model = onnx.load(str(tmp))
@@ -43,7 +48,7 @@ def export_onnx(
         entry.value = value if isinstance(value, str) else json.dumps(value)
     onnx.save(model, str(tmp))
     session = ort.InferenceSession(str(tmp), providers=["CPUExecutionProvider"])
-    got = session.run(["p_accept"], {"features": check_rows.astype(np.float32)})[0]
+    got = session.run([output_name], {"features": check_rows.astype(np.float32)})[0]
     with torch.no_grad():
         want = net(torch.from_numpy(check_rows.astype(np.float32))).numpy()
     try:

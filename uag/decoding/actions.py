@@ -157,6 +157,8 @@ class ActionChoice:
 
     name = "actions"
     needs_features: ClassVar[bool] = False
+    timed_as: ClassVar[str] = "policy"
+    """The loop times the choice as the policy's decision (``uag.decoding.round.choose``)."""
 
     def __init__(self) -> None:
         self.assistant: AssistantDrafter | None = None

@@ -36,6 +36,18 @@ from uag.decoding.stopwatch import Stopwatch
 from uag.runtime.runner import CachedLM
 
 
+@dataclass(frozen=True)
+class Match:
+    """Prompt lookup's continuation for the target's ids at one round start."""
+
+    ids: list[int]
+    """The copied continuation ([] when the last tokens did not occur before)."""
+    ngram: int = 0
+    """Length of the matched tail (0: none): a longer match predicts a longer right copy."""
+    source: int = -1
+    """Position in the target's ids where the continuation began (-1: none)."""
+
+
 class LookupDrafter:
     """Prompt lookup as a drafter: the match for this round is looked up once (``match``).
 
@@ -46,24 +58,30 @@ class LookupDrafter:
     def __init__(self, lookup: PromptLookup, *, cap: int | None = None) -> None:
         self.lookup = lookup
         self.cap = cap
-        self._match: tuple[int, list[int]] = (-1, [])
+        self._match: tuple[int, Match] = (-1, Match([]))
 
     def reset(self, session: Session) -> None:
         self.lookup.reset()
-        self._match = (-1, [])
+        self._match = (-1, Match([]))
 
     def match(self, session: Session) -> list[int]:
         """The copied continuation for the target's ids as they are now ([] when none). Not
         before the prompt is prefilled: the first round is the one target-alone makes."""
+        return self.match_info(session).ids
+
+    def match_info(self, session: Session) -> Match:
+        """``match`` with the matched tail's length and where the continuation came from."""
         at = len(session.target.ids)
         if self._match[0] != at:
             room = session.room
-            ids: list[int] = []
+            found = Match([])
             if session.target.cached and room > 1:
-                ids, _ = self.lookup.propose(
+                ids, ngram = self.lookup.propose(
                     session.target.ids, limit=min(room - 1, MAX_CANDIDATES)
                 )
-            self._match = (at, ids)
+                if ids:
+                    found = Match(ids, ngram=ngram, source=self.lookup.last_source)
+            self._match = (at, found)
         return self._match[1]
 
     def propose(self, session: Session, *, clock: Stopwatch) -> Proposal:

@@ -42,6 +42,9 @@ class PromptLookup:
     max_tokens: tuple[int, ...] = (3, 5, 11)
     _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, repr=False)
     _indexed: int = field(default=0, repr=False)
+    last_source: int = field(default=-1, repr=False)
+    """Where the last proposal's continuation began in the ids (-1: no match): a round's plan
+    reads whether the copy comes from the prompt or the output, and from how far back."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -74,6 +77,7 @@ class PromptLookup:
         proposes its whole period again), as the text would if the pattern held.
         """
         self._update(ids)
+        self.last_source = -1
         if limit < 1:
             return [], 0
         end = len(ids)
@@ -86,5 +90,6 @@ class PromptLookup:
             for i in range(want):
                 j = start + i
                 out.append(ids[j] if j < end else out[j - end])
+            self.last_source = start
             return out, n
         return [], 0

@@ -327,8 +327,9 @@ def start(session: Session, choice: DrafterChoice) -> None:
 
 
 def choose(session: Session, choice: DrafterChoice, *, clock: Stopwatch) -> Drafter | None:
-    """The round's drafter; a rule that looks up a match counts that as bridge time."""
-    with clock("bridge"):
+    """The round's drafter; a rule that looks up a match counts that as bridge time, a choice
+    that decides by a controller (``timed_as`` "policy": a plan) as the policy's."""
+    with clock(getattr(choice, "timed_as", "bridge")):
         return choice.choose(session)
 
 

@@ -34,6 +34,7 @@ from controllers.rules import StaticPolicy
 from training.data import read_meta
 from uag import api
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION, feature_rows
+from uag.decoding.round import MAX_CANDIDATES
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
 from uag.harness.jobs import RunConfig
@@ -79,7 +80,11 @@ class CollectConfig(RunConfig):
     """Collect on-policy: follow this ONNX controller (``controllers.explore``) instead of
     drafting ``max_lookahead`` tokens every round."""
     explore: float = 0.0
-    """With ``controller``: the chance per round of drafting the full lookahead anyway."""
+    """With ``controller``: the chance per round of drafting the full lookahead anyway. With
+    ``plan``: the chance per round of a uniformly random action instead of the oracle's."""
+    plan: bool = False
+    """Collect for a round's plan (``uag.harness.plan_collect``): round-start features and every
+    action's exact outcome (step, copy:1..15, draft:1..max_lookahead), greedy only."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,8 +104,10 @@ class CollectConfig(RunConfig):
             raise UagError("--resume and --overwrite contradict each other: pick one")
         if not 0.0 <= self.explore <= 1.0:
             raise UagError(f"--explore must be a probability in [0, 1], got {self.explore}")
-        if self.explore and self.controller is None:
-            raise UagError("--explore goes with --controller (it explores around that policy)")
+        if self.explore and self.controller is None and not self.plan:
+            raise UagError(
+                "--explore goes with --controller or --plan (it explores around that policy)"
+            )
         if self.sampling is not None and self.sampling.seed is None:
             self.sampling = replace(self.sampling, seed=0)  # a collection is reproducible
 
@@ -347,6 +354,45 @@ def _prepare_together(cfg: CollectConfig, mine: list[Prompt]) -> list[Prompt]:
     finally:
         dist.destroy_process_group()
     return todo
+
+
+def collect_for_plan(cfg: CollectConfig, *, progress: bool = True) -> tuple[int, int]:
+    """``uag collect --plan``: (prompts written, rounds written) into ``cfg.out``."""
+    from uag.harness.plan_collect import PlanCollectConfig, collect_plan
+
+    if cfg.shard != (0, 1):
+        raise UagError("--plan runs as one process: leave out --shard")
+    prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    pair = cfg.load_pair()
+    settings = {
+        "target": cfg.target,
+        "assistant": cfg.assistant,
+        "assistant_int8": cfg.assistant_int8,
+        "draft_vocab": pair.draft_vocab,
+        "kernels": pair.kernels,
+        "chat": cfg.chat,
+    }
+    plan_cfg = PlanCollectConfig(
+        out=cfg.out,
+        max_new_tokens=cfg.max_new_tokens,
+        explore=cfg.explore,
+        max_draft=cfg.max_lookahead,
+        follow=cfg.controller,
+        sampling=cfg.sampling,
+        resume=cfg.resume,
+        overwrite=cfg.overwrite,
+        settings=settings,
+    )
+    return collect_plan(
+        pair,
+        prompts,
+        plan_cfg,
+        profile=lambda: measure_pair_profile(
+            pair, max_candidates=MAX_CANDIDATES, repeats=cfg.profile_repeats
+        ),
+        encode=lambda text: api.encode_prompt(pair, api.render_prompt(pair, text, chat=cfg.chat)),
+        progress=progress,
+    )
 
 
 def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:

@@ -136,7 +136,7 @@ def label_run(
     ``actions`` at each of its round starts. ``lookup`` (default ``copy_lookup()``) is the
     behaviour's and the copies' prompt lookup; ``trace`` must be ``record_trace``'s on this
     pair."""
-    labeller = _Labeller(trace=trace, actions=actions, eos=pair.target.eos_ids, choice=behaviour)
+    labeller = Labeller(trace=trace, actions=actions, eos=pair.target.eos_ids, choice=behaviour)
     behaviour.watch = labeller
     try:
         out = replay_loop(
@@ -161,7 +161,7 @@ def label_run(
     return labels
 
 
-class _Labeller:
+class Labeller:
     """Called at each round start (``ActionChoice.watch``): every action's outcome there."""
 
     def __init__(

@@ -1,0 +1,144 @@
+"""A round's plan by expected tokens per second: price each action, pick the best.
+
+Why: the fixed rule copies whenever prompt lookup matches and lets the assistant draft
+otherwise; what a round should verify depends on what each choice would yield *and* cost on
+this machine (a copy of 11 is cheap where a verify row is, an assistant draft where its step
+is). Each action ``a`` (``uag.decoding.actions``) has an expected yield ``E_a`` (target tokens
+the round emits) and a price ``T_a`` (seconds, from the latency profile: the verify over its
+rows, the assistant's steps, its catch-up on the text it lags by, the round's bookkeeping).
+Maximising tokens per second over a whole generation is a ratio; Dinkelbach's rule turns it
+into one choice per round: take ``argmax_a E_a − R · T_a`` where ``R`` is the rate the plan
+achieves (tokens per second). A plain step is always among the actions, so the rule never
+chooses something it expects to be slower than the target's own step at that rate.
+
+``OraclePlan`` knows every ``E_a`` exactly (counterfactual labels from the recorded target
+run, ``uag.harness.counterfactual``): the ceiling a learned plan is judged against, printed
+by ``uag bench`` as the ``oracle`` arm. ``LearnedPlan`` (``controllers.learned_plan``)
+estimates ``E_a`` from features known at the round's start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from uag.decoding.actions import Action, ActionChoice, ActionSet, Copy, Draft
+from uag.decoding.plan_features import PLAN_FEATURE_NAMES
+from uag.decoding.profile import LatencyProfile
+from uag.decoding.round import Session
+
+_MATCH = PLAN_FEATURE_NAMES.index("match_tokens")
+_LAG = PLAN_FEATURE_NAMES.index("lag")
+_RATIO = PLAN_FEATURE_NAMES.index("draft_ratio")
+_ROOM = PLAN_FEATURE_NAMES.index("room")
+
+
+def action_price(
+    profile: LatencyProfile,
+    *,
+    candidates: int,
+    draft_steps: int,
+    lag: int,
+) -> float:
+    """Seconds one round costs: bookkeeping, the verify over ``candidates``, and, when the
+    assistant drafts, its ``draft_steps`` forwards and the catch-up on ``lag`` tokens. A plan
+    reads no target statistics, so the verify is priced without them (``stats_s``)."""
+    return profile.round_cost(drafted=draft_steps, candidates=candidates, lag=lag) - profile.stats_s
+
+
+def row_prices(
+    row: np.ndarray, *, actions: ActionSet, profile: LatencyProfile, drafts: bool = True
+) -> np.ndarray:
+    """Each action's price at a round start, from its plan feature row alone (so run time and
+    training's evaluation price alike); ``inf`` for an action the round cannot run (a copy
+    longer than the match, a draft without the assistant). A draft of ``k`` is priced at ``k``
+    assistant steps, ``k`` × the sequence's candidates per drafted token so far, and the
+    catch-up on the tokens the assistant lags by."""
+    match = int(row[_MATCH])
+    lag = int(round(float(np.expm1(row[_LAG]))))
+    ratio = float(row[_RATIO])
+    out = np.empty(len(actions), dtype=np.float64)
+    for i, a in enumerate(actions):
+        if isinstance(a, Copy):
+            runnable = a.length <= match
+            out[i] = (
+                action_price(profile, candidates=a.length, draft_steps=0, lag=0)
+                if runnable
+                else np.inf
+            )
+        elif isinstance(a, Draft):
+            out[i] = (
+                action_price(
+                    profile,
+                    candidates=max(int(round(a.lookahead * ratio)), 1),
+                    draft_steps=a.lookahead,
+                    lag=lag,
+                )
+                if drafts
+                else np.inf
+            )
+        else:
+            out[i] = action_price(profile, candidates=0, draft_steps=0, lag=0)
+    return out
+
+
+def plan_choice(expected: np.ndarray, row: np.ndarray, *, prices: np.ndarray, rate: float) -> int:
+    """The round's action from the estimated yields (cut at the room left) and the prices."""
+    room = max(float(row[_ROOM]), 1.0)
+    return best_action(np.minimum(expected, room), prices, rate=rate)
+
+
+def best_action(
+    expected: Sequence[float] | np.ndarray, prices: Sequence[float] | np.ndarray, *, rate: float
+) -> int:
+    """Dinkelbach's choice: the index maximising ``expected − rate · price`` (the first on a
+    tie: the action set lists the plain step first)."""
+    gain = np.asarray(expected, dtype=np.float64) - rate * np.asarray(prices, dtype=np.float64)
+    gain[~np.isfinite(gain)] = -np.inf
+    return int(np.argmax(gain))
+
+
+class OraclePlan(ActionChoice):
+    """Each round takes the action whose *exact* outcome there (counterfactual labels from
+    ``trace``, or ``labeller``'s: under sampling, the expected outcome) maximises emitted −
+    ``rate`` × price: the ceiling a learned plan is judged against.
+
+    ``rate``: tokens per second (Dinkelbach's R; the caller iterates it to the plan's own rate,
+    ``oracle_rate``)."""
+
+    name = "oracle-plan"
+
+    def __init__(
+        self,
+        *,
+        actions: ActionSet,
+        profile: LatencyProfile,
+        rate: float,
+        trace: Any = None,
+        eos: Any = None,
+        labeller: Any = None,
+    ) -> None:
+        super().__init__()
+        self.actions, self.profile, self.rate = actions, profile, rate
+        if labeller is None:  # greedy: exact outcomes from the recorded target run
+            from uag.harness.counterfactual import Labeller  # harness → controllers, not back
+
+            labeller = Labeller(trace=trace, actions=actions, eos=eos, choice=self)
+        else:  # e.g. sampling's expected outcomes (``uag.harness.plan_collect``)
+            labeller.choice = self
+        self.labeller = labeller
+
+    def next_action(self, session: Session) -> Action:
+        self.labeller(session)
+        outcomes = self.labeller.rounds[-1]["outcomes"]
+        prices = [
+            action_price(
+                self.profile, candidates=o.candidates, draft_steps=o.draft_steps, lag=o.lag
+            )
+            for o in outcomes
+        ]
+        return self.actions.actions[
+            best_action([o.emitted for o in outcomes], prices, rate=self.rate)
+        ]
