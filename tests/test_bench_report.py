@@ -52,3 +52,22 @@ def test_report_defaults_to_this_process_and_never_fails_on_git(tmp_path, monkey
     assert run["commit"] == "unknown"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", run["date_utc"])
     assert "commit: `unknown`" in (tmp_path / "results.md").read_text()
+
+
+def test_the_learned_arm_is_compared_with_every_fixed_arm_paired_by_prompt():
+    """learned against each measured arm but target-only and the simulated ones: the ratio of
+    their times and a paired interval over prompts that contains it (and lies above 1 when
+    learned is faster on every prompt)."""
+    per_prompt = {"target-only": [2.0, 4.0, 3.0, 5.0], "lookup": [1.2, 2.2, 1.8, 3.0]}
+    per_prompt["learned"] = [t / 1.1 for t in per_prompt["lookup"]]
+    arms = [
+        PolicyResult(name, runs=4, identical_runs=4, seconds=sum(s), per_prompt_seconds=s)
+        for name, s in per_prompt.items()
+    ]
+    oracle = PolicyResult("oracle-plan", simulated=True, speedup_vs_target=2.5)
+    report = BenchReport(policies=[*arms, oracle], machine="test", prompts=4, config={})
+    [(mine, other, ratio, (low, high))] = report.comparisons()
+    assert (mine, other) == ("learned", "lookup")
+    assert abs(ratio - 1.1) < 1e-9 and 1.0 < low and low - 1e-9 <= ratio <= high + 1e-9
+    assert report.to_json()["learned_vs_fixed"][0]["vs"] == "lookup"
+    assert "| learned | lookup | 1.100x |" in report.markdown()

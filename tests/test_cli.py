@@ -97,10 +97,10 @@ def test_a_controller_brings_the_settings_it_was_trained_with():
     given still win."""
     from pathlib import Path
 
-    from controllers.learned import LearnedPolicy
+    from controllers.learned_plan import LearnedPlan
     from uag.cli import build_parser, settle_model_args
 
-    shipped = LearnedPolicy(Path("exports/ctrl.onnx"))
+    shipped = LearnedPlan(Path("exports/ctrl.onnx"))
     assert shipped.info.assistant_int8 is True
     parser = build_parser()
     argv = ["generate", "--prompt", "x", "--controller", "exports/ctrl.onnx", "--device", "cpu"]
@@ -222,9 +222,10 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
     site = install_wheel_elsewhere(tmp_path)
     probe = (
         "import uag, uag.cli, uag.harness.prompts\n"
-        "from controllers.learned import LearnedPolicy\n"
+        "from controllers.learned_plan import LearnedPlan\n"
         "print(uag.__file__)\n"
-        "print(uag.cli.SHIPPED_CONTROLLER.is_symlink(), LearnedPolicy(uag.cli.SHIPPED_CONTROLLER).info.target)\n"
+        "print(uag.cli.SHIPPED_CONTROLLER.is_symlink(), LearnedPlan(uag.cli.SHIPPED_CONTROLLER).info.target)\n"
+        "print(uag.cli.SHIPPED_SAMPLING_CONTROLLER.is_symlink(), LearnedPlan(uag.cli.SHIPPED_SAMPLING_CONTROLLER).info.decoding)\n"
         "print(len(uag.harness.prompts.load_prompts('mixed:test')))\n"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -232,9 +233,10 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env
     )
     assert ran.returncode == 0, ran.stderr[-2000:]
-    where, controller, count = ran.stdout.splitlines()
+    where, controller, sampling, count = ran.stdout.splitlines()
     assert where.startswith(str(site))  # the installed copy, not the checkout
     assert controller == "False gemma-3-270m"  # a real file in the wheel, the shipped contract
+    assert sampling == "False sampling"  # and the sampling plan beside it
     assert int(count) == 31
 
 
@@ -355,3 +357,24 @@ def test_a_failure_inside_transformers_own_generate_is_one_clear_line(tokenizers
     assert "\n" not in message
     assert "own assisted generation failed" in message and "cannot reshape" in message
     assert "transformers<5.25" in message and "transformers arm" in message
+
+
+def test_collect_plan_under_sample_collects_sampling_runs_per_temperature(
+    tiny_dirs, tmp_path, capsys
+):
+    """``uag collect --plan --sample`` labels sampling rounds (not greedy ones), and ``--resume``
+    at another temperature adds that temperature's runs beside the first's."""
+    target_dir, assistant_dir = tiny_dirs
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "text": "def f(x):"}\n{"id": "b", "text": "the cat sat"}\n')
+    out = tmp_path / "plan"
+    argv = ["collect", "--plan", "--target", target_dir, "--assistant", assistant_dir]
+    argv += ["--prompts", str(prompts), "--max-new-tokens", "8", "--out", str(out), "--sample"]
+    assert main([*argv, "--temperature", "0.7"]) == 0
+    assert main([*argv, "--temperature", "1.0", "--resume"]) == 0
+    capsys.readouterr()
+    meta = json.loads((out / "plan-meta.json").read_text())
+    assert meta["decoding"] == "sampling"
+    assert meta["temperatures"] == [0.7, 1.0]
+    assert not any(a.startswith("draft") for a in meta["actions"])
+    assert len(list(out.glob("plan-*.npz"))) == 4

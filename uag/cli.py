@@ -24,9 +24,11 @@ import torch
 from tqdm import tqdm
 
 from controllers.learned import LearnedPolicy
+from controllers.learned_plan import LearnedPlan, load_controller
 from controllers.spec import parse_policy
 from training.config import TrainConfig
 from uag import api
+from uag.decoding.actions import copy_lookup
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
@@ -39,7 +41,7 @@ from uag.harness.bench import (
     write_report,
 )
 from uag.harness.calibration import CalibrateConfig, lookup_lengths
-from uag.harness.collect import CollectConfig, collect, parse_shard
+from uag.harness.collect import CollectConfig, collect, collect_for_plan, parse_shard
 from uag.harness.jobs import RunConfig
 from uag.harness.prompts import load_prompts
 from uag.kernels.choice import KERNEL_CHOICES, resolve_kernels
@@ -218,6 +220,9 @@ SHIPPED_CONTROLLER = Path(__file__).parent / "shipped" / "ctrl.onnx"
 """The controller this checkout ships: ``exports/ctrl.onnx`` through the link in
 ``uag/shipped``, or its copy inside an installed wheel (found from any directory)."""
 
+SHIPPED_SAMPLING_CONTROLLER = Path(__file__).parent / "shipped" / "ctrl-sampling.onnx"
+"""The plan this checkout ships for ``--sample`` (``exports/ctrl-sampling.onnx``)."""
+
 DEFAULT_POLICY = "learned+lookup"
 """``uag generate``'s policy where the shipped controller was trained for the run: the faster of
 its two arms in the held-out bench (README, docs/results.md: learned+lookup 1.57x target-only,
@@ -227,25 +232,28 @@ FALLBACK_POLICY = "static+lookup"
 thresholds were chosen for another cost, and a default should not warn on every run."""
 
 
-def shipped_controller() -> Path:
-    """The shipped controller's path, beside the package whatever the working directory."""
-    if not SHIPPED_CONTROLLER.is_file():
+def shipped_controller(*, sampling: bool = False) -> Path:
+    """The shipped controller's path (greedy, or ``sampling``'s), beside the package whatever
+    the working directory."""
+    path = SHIPPED_SAMPLING_CONTROLLER if sampling else SHIPPED_CONTROLLER
+    if not path.is_file():
         raise UagError(
-            f"the shipped controller {SHIPPED_CONTROLLER} is missing (an incomplete install?): "
+            f"the shipped controller {path} is missing (an incomplete install?): "
             "give one with --controller PATH.onnx, or another --policy (e.g. static+lookup)"
         )
-    return SHIPPED_CONTROLLER
+    return path
 
 
 def default_policy(args: argparse.Namespace) -> str:
     """The policy ``uag generate`` runs without ``--policy``: ``learned+lookup`` with
-    ``--controller``'s controller or, for greedy decoding of the default pair with the int8
-    assistant (CPU float32, as the shipped controller was trained), with the shipped one;
-    else ``static+lookup``. Reads only flags: decided before any model loads."""
+    ``--controller``'s controller or, for the default pair with the int8 assistant (CPU
+    float32, as the shipped plans were trained), with the shipped one (greedy, or the sampling
+    plan under ``--sample``); else ``static+lookup``. A plan chooses every round's action, so
+    ``+lookup`` only says that it may copy. Reads only flags: decided before any model loads."""
     if args.controller is not None:
         return DEFAULT_POLICY
     shipped_fits = (
-        not args.sample
+        (not args.sample or SHIPPED_SAMPLING_CONTROLLER.is_file())
         and args.target in (None, DEFAULT_TARGET)
         and args.assistant in (None, DEFAULT_ASSISTANT)
         and args.assistant_int8 is not False
@@ -496,13 +504,13 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.controller is not None and spec.kind != "learned":
         raise UagError(f"--controller goes with the learned policy, not --policy {spec}")
     if spec.kind == "learned" and args.controller is None:
-        args.controller = shipped_controller()
+        args.controller = shipped_controller(sampling=args.sample)
     if spec.kind in ("transformers", "oracle"):
         raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
     learned = None
     if spec.kind == "learned":
         # Checked before the models load: a bad controller file fails in a second, not after.
-        learned = LearnedPolicy(
+        learned = load_controller(
             args.controller, use_cuda=resolve_device(args.device).type == "cuda"
         )
     adopted = settle_model_args(args, learned)
@@ -524,7 +532,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if adopted:
         print(adopted, file=sys.stderr)
     lookup = None
-    if spec.lookup:
+    if isinstance(learned, LearnedPlan):  # a plan chooses each copy's length itself
+        lookup = copy_lookup()
+    elif spec.lookup:
         lookup = spec.make_lookup(lookup_lengths(pair))
     if learned is not None:
         learned.warn_if_foreign(
@@ -728,12 +738,42 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
         default=default_of(CollectConfig, "explore"),
         help="with --controller: chance per round of drafting the full --max-lookahead anyway, "
         "so every position gets labels on the states the controller meets; rows log "
-        "'explored' and 'propensity' (default: %(default)s)",
+        "'explored' and 'propensity'; with --plan: chance per round of a random action instead "
+        "of the oracle plan's (default: %(default)s)",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="collect for a round's plan: at every round start the features known then and "
+        "what each action (step, copy:1..15, draft:1..--max-lookahead) would yield, exactly, "
+        "by replay of the recorded target run (greedy); the behaviour is the oracle plan, or "
+        "--controller's plan (on-policy), with --explore random rounds. uag train-controller on "
+        "it exports a plan controller",
     )
     _add_sampling_args(p, collect=True)
 
 
 def run_collect(args: argparse.Namespace) -> int:
+    if args.plan:
+        if args.controller is not None and not isinstance(
+            load_controller(args.controller), LearnedPlan
+        ):  # its contract, checked before the models load
+            raise UagError(
+                f"--plan follows a plan controller; {args.controller} is a stop controller"
+            )
+        settle_model_args(args)
+        shard = parse_shard(args.shard) if args.shard is not None else (0, 1)
+        sampling = sampling_config(args)
+        cfg = config_from_args(
+            CollectConfig,
+            args,
+            shard=shard,
+            sampling=None if sampling is None else sampling.config,
+        )
+        written, rounds = collect_for_plan(cfg)
+        print(f"collected {rounds} labelled rounds from {written} prompts into {cfg.out}")
+        print(f"train it: uag train-controller --data {cfg.out} --out exports/ctrl.onnx")
+        return 0
     learned = None
     if args.controller is not None:
         learned = LearnedPolicy(args.controller)  # its contract, checked before any work
@@ -799,7 +839,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         nargs="+",
         required=True,
-        help="one or more uag collect output directories (same schema)",
+        help="one or more uag collect output directories (same schema); uag collect --plan "
+        "directories train a plan (the round's action) instead of a stop controller",
     )
     p.add_argument(
         "--out",
@@ -877,6 +918,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="machines for multi-node training (default: %(default)s)",
     )
     p.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="plan data: choose R and report per round on the collected round starts instead of "
+        "by whole-run exact replay on the tune and report prompts (which loads the pair)",
+    )
+    p.add_argument(
         "--no-gate",
         dest="gate",
         action="store_false",
@@ -903,9 +951,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     # Lightning and scikit-learn take seconds to import: only `uag train-controller` pays.
+    from training.plan import is_plan_collection, train_plan
     from training.train import train
 
     cfg = config_from_args(TrainConfig, args)
+    if any(is_plan_collection(d) for d in cfg.data):
+        plan = train_plan(cfg)
+        print(plan.table())
+        print(f"TensorBoard: tensorboard --logdir {cfg.logdir}   (this run: {plan.log_dir})")
+        return 0
     summary = train(cfg)
     if summary is None:
         return 0  # another process of a multi-process run reports
@@ -955,8 +1009,10 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     if args.policies is None:
         args.policies = SAMPLING_POLICIES if args.sample else DEFAULT_POLICIES
     if "learned" in args.policies and args.controller is None:
-        # The shipped controller, beside the package whatever the working directory.
-        args.controller = SHIPPED_CONTROLLER if SHIPPED_CONTROLLER.is_file() else None
+        # The shipped controller (greedy, or the sampling plan under --sample), beside the
+        # package whatever the working directory.
+        shipped = SHIPPED_SAMPLING_CONTROLLER if args.sample else SHIPPED_CONTROLLER
+        args.controller = shipped if shipped.is_file() else None
     # One pair for every arm: the defaults, not the controller's settings (its arm warns when
     # they differ from what it was trained with).
     settle_model_args(args)

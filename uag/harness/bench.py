@@ -45,7 +45,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from controllers.learned import LearnedPolicy
+from controllers.learned_plan import LearnedPlan, load_controller
+from controllers.plan import OraclePlan
 from controllers.rules import StaticPolicy
 from controllers.spec import parse_policy, parse_policy_list
 from training import replay
@@ -53,6 +54,7 @@ from training.data import from_columns
 from training.replay import Prefill
 from uag import api
 from uag.api import encode_prompt, render_prompt
+from uag.decoding.actions import copy_lookup
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.round import MAX_CANDIDATES
@@ -74,9 +76,9 @@ from uag.harness.latency import measure_pair_profile, pair_sampler
 from uag.harness.prompts import load_prompts
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
-SAMPLING_POLICIES = "target-only,static-1,static-2,static-4,confidence-0.4,transformers"
-"""The default arms under ``--sample`` (the oracle replays greedy runs; the shipped learned
-controller was trained on greedy decoding)."""
+SAMPLING_POLICIES = "target-only,static-1,static-2,lookup,static-2+lookup,transformers,learned"
+"""The default arms under ``--sample`` (the oracle replays greedy runs; ``learned`` is the shipped
+sampling plan)."""
 ORACLE_LOOKAHEAD = 6
 
 
@@ -264,8 +266,31 @@ class BenchReport:
     profile: dict[str, Any] | None = None
     """The latency profile replay priced with (measured in slices across this run)."""
 
+    def comparisons(self) -> list[tuple[str, str, float, tuple[float, float]]]:
+        """Each learned arm against every other measured arm but target-only: (learned,
+        other, time ratio other / learned, its 95 % paired bootstrap interval over prompts)."""
+        measured = [p for p in self.policies if not p.simulated and p.seconds]
+        out = []
+        for mine in (p for p in measured if p.name.startswith("learned")):
+            for other in measured:
+                if other is mine or other.name == "target-only" or other.name.startswith("learned"):
+                    continue
+                ratio = other.seconds / mine.seconds
+                interval = bootstrap_interval(other.per_prompt_seconds, mine.per_prompt_seconds)
+                out.append((mine.name, other.name, ratio, interval))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
+            "learned_vs_fixed": [
+                {
+                    "learned": a,
+                    "vs": b,
+                    "speedup": round(r, 4),
+                    "interval_95": [round(v, 4) for v in ci],
+                }
+                for a, b, r, ci in self.comparisons()
+            ],
             "policies": [p.as_row() for p in self.policies],
             "machine": self.machine,
             "prompts": self.prompts,
@@ -309,6 +334,16 @@ class BenchReport:
         if not sampled and not any(p.simulated for p in self.policies):
             # An empty column otherwise reads as "replay cannot predict these arms".
             lines += ["", NO_REPLAY_NOTE]
+        pairs = self.comparisons()
+        if pairs:
+            lines += [
+                "",
+                "| learned arm | vs | speed-up (time of the other / learned's) | 95 % interval (paired by prompt) |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| {a} | {b} | {r:.3f}x | {ci[0]:.3f}–{ci[1]:.3f}x |" for a, b, r, ci in pairs
+            ]
         return "\n".join(lines)
 
 
@@ -499,14 +534,17 @@ def build_arms(
         if spec.kind == "oracle":
             continue
         factory: Callable[[], Any] | None
+        plan = False
         if spec.kind == "target-only":
             factory = None
         elif spec.is_rule:
             factory = spec.build
         elif spec.kind == "learned" and spec.path is None:
-            factory = _learned_factory(pair, cfg, prompt_ids or [])
+            factory, plan = _learned_factory(pair, cfg, prompt_ids or [])
         elif spec.kind == "learned":  # another controller beside --controller's, for A/B
-            factory = _learned_factory(pair, replace(cfg, controller=spec.path), prompt_ids or [])
+            factory, plan = _learned_factory(
+                pair, replace(cfg, controller=spec.path), prompt_ids or []
+            )
         elif spec.kind == "transformers":
             # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
             # Its sampling path prunes the assistant's head, which needs a float weight: no int8.
@@ -523,7 +561,12 @@ def build_arms(
         arm_policy = (
             None
             if factory is None
-            else ArmPolicy(make=factory, make_lookup=partial(spec.make_lookup, lookup_lengths))
+            # A plan chooses each copy's length itself: its lookup copies as far as a verify
+            # allows (with or without +lookup in the arm's name).
+            else ArmPolicy(
+                make=factory,
+                make_lookup=copy_lookup if plan else partial(spec.make_lookup, lookup_lengths),
+            )
         )
         arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
         # The bandit picks its arms by each round's wall time, which exact replay does not
@@ -533,13 +576,20 @@ def build_arms(
     return arms
 
 
-def _learned_factory(pair: Any, cfg: BenchConfig, prompt_ids: list[str]) -> Callable[[], Any]:
+def _learned_factory(
+    pair: Any, cfg: BenchConfig, prompt_ids: list[str]
+) -> tuple[Callable[[], Any], bool]:
+    """The learned arm's policy factory, and whether the file is a plan (it then chooses every
+    round's action: ``controllers.learned_plan``) rather than a stop controller."""
     if cfg.controller is None:
         raise UagError("policy 'learned' needs --controller PATH.onnx")
-    policy = LearnedPolicy(cfg.controller, use_cuda=pair.target.device.type == "cuda")
-    policy.warn_if_foreign_to(cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab)
-    policy.warn_if_trained_on(prompt_ids)
-    return lambda: policy
+    learned = load_controller(cfg.controller, use_cuda=pair.target.device.type == "cuda")
+    learned.warn_if_foreign_to(cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab)
+    learned.warn_if_trained_on(prompt_ids)
+    if isinstance(learned, LearnedPlan):
+        path, session = learned.path, learned.session  # one ONNX session, a fresh plan per run
+        return (lambda: LearnedPlan(path, session=session)), True
+    return (lambda: learned), False
 
 
 def _replay_pass(
@@ -600,14 +650,14 @@ def _exact_predictions(
     """Exact replay per uag arm (``uag.harness.dryrun``): one recorded target-alone run per prompt,
     then each arm's policy through the real loop against it; (speed-up, target forwards,
     seconds), priced by ``profile``; "target-only" holds the target alone's price."""
-    if not policies:
-        return {}
     traces: list[dryrun.TargetTrace] = []
+    encoded: list[list[int]] = []
     runs: dict[str, list[dryrun.ReplayRun]] = {name: [] for name in policies}
     for p in prompts:
         target_ids, assistant_ids = _encoded(pair, p.text, chat=cfg.chat)
         trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
         traces.append(trace)
+        encoded.append(assistant_ids)
         for name, arm in policies.items():
             runs[name].append(
                 dryrun.replay(
@@ -629,7 +679,55 @@ def _exact_predictions(
     }
     alone = sum(dryrun.alone_seconds(t, profile) for t in traces)
     out["target-only"] = (1.0, sum(len(t.ids) for t in traces), alone)
+    out[PLAN_ORACLE] = _plan_oracle(pair, traces, encoded, profile)
     return out
+
+
+PLAN_ORACLE = "oracle-plan"
+"""The simulated arm that knows each round's every outcome over the plan's action space."""
+
+
+def _plan_oracle(
+    pair: Any,
+    traces: list[dryrun.TargetTrace],
+    assistant_ids: list[list[int]],
+    profile: Any,
+    *,
+    iterations: int = 2,
+) -> tuple[float, int, float]:
+    """Exact replay of ``OraclePlan`` over step, copy:1..15 and draft:1..8 (each round's action
+    the best by its exact outcome there, Dinkelbach's R iterated to the plan's own rate):
+    (speed-up, target forwards, seconds)."""
+    from uag.harness.plan_collect import default_actions  # the collection's action set
+
+    actions = default_actions()
+    rate, result = 2.0 / profile.target_step_s, (1.0, 0, 0.0)
+    for _ in range(iterations):
+        runs = [
+            dryrun.replay(
+                pair,
+                trace,
+                OraclePlan(
+                    trace=trace,
+                    actions=actions,
+                    profile=profile,
+                    rate=rate,
+                    eos=pair.target.eos_ids,
+                ),
+                prompt_assistant_ids=ids,
+                profile=profile,
+                lookup=copy_lookup(),
+            )
+            for trace, ids in zip(traces, assistant_ids, strict=True)
+        ]
+        speedup = dryrun.predicted_speedup(runs, traces, profile, timed_policy=False)
+        seconds = sum(
+            dryrun.priced_seconds(r, t, profile, timed_policy=False)
+            for r, t in zip(runs, traces, strict=True)
+        )
+        result = (speedup, sum(len(r.records) for r in runs), seconds)
+        rate = speedup / profile.target_step_s
+    return result
 
 
 def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
@@ -736,6 +834,9 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         measured_profile = profile.to_dict() | {"slices": sampler.slices, "rounds": sampler.rounds}
         oracle = _predict_oracle(data, profile, prefill)
         ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
+        ordered.append(
+            PolicyResult(PLAN_ORACLE, simulated=True, speedup_vs_target=predicted[PLAN_ORACLE][0])
+        )
     machine = (
         f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} threads, torch {torch.__version__}, device {pair.target.device}"
