@@ -463,8 +463,9 @@ def test_repeat_length_finds_the_longest_repeated_suffix():
     assert np.array_equal(to_gate_rows(row(24)[None]), to_gate_rows(row(0)[None]))
 
 
-def test_the_shipped_controller_loads_and_decides_sensibly():
-    """exports/ctrl.onnx as users get it: its contract matches this code, it rates a confident
+def test_the_previous_stop_controller_loads_and_decides_sensibly():
+    """exports/ctrl-stop.onnx (the stop controller shipped before the plans, still a
+    ``learned:PATH`` arm) as users get it: its contract matches this code, it rates a confident
     draft above a hopeless one, keeps drafting after the confident one and stops after the
     hopeless one. (The schema-1 controller stopped after both: it read a confident draft after
     a short, fully accepted round as ~0.67, below its 0.82 threshold.)"""
@@ -472,7 +473,7 @@ def test_the_shipped_controller_loads_and_decides_sensibly():
 
     from uag.decoding.policy import DraftStep
 
-    shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
+    shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl-stop.onnx"
     policy = LearnedPolicy(shipped)
     assert policy.info.feature_names == list(FEATURE_NAMES)
     assert policy.info.schema_version == SCHEMA_VERSION
@@ -520,3 +521,29 @@ def test_bench_warns_when_a_prompt_was_in_the_controllers_training_data(tmp_path
     assert capsys.readouterr().err == ""
     _export(tmp_path / "old.onnx")  # exported before the ids were recorded: nothing to say
     assert LearnedPolicy(tmp_path / "old.onnx").warn_if_trained_on(ids) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "decoding"), [("ctrl.onnx", "greedy"), ("ctrl-sampling.onnx", "sampling")]
+)
+def test_the_shipped_plans_keep_their_contract(name, decoding):
+    """exports/ctrl.onnx (greedy) and exports/ctrl-sampling.onnx as users get them: plans over
+    this code's features and an action set it runs, trained on ``:train`` prompts only (so a
+    bench of ``:test`` prompts is held-out), their figures measured on report prompts they
+    were neither trained nor tuned on."""
+    from pathlib import Path
+
+    from controllers.learned_plan import LearnedPlan, load_controller
+    from uag.decoding.actions import Copy, Step
+    from uag.harness.prompts import load_prompts
+
+    path = Path(__file__).resolve().parents[1] / "exports" / name
+    plan = load_controller(path)
+    assert isinstance(plan, LearnedPlan) and plan.info.decoding == decoding
+    assert Step() in plan.actions and Copy(length=15) in plan.actions
+    held_out = [p.id for p in load_prompts("humaneval:test+mixed:test")]
+    assert plan.info.train_prompts and plan.warn_if_trained_on(held_out) == []
+    report = json.loads(plan.info.raw["report_prompt_ids"])
+    assert report and not set(report) & plan.info.train_prompts
+    assert plan.info.raw["figures_on"] == "report"
+    assert plan.rate > 0

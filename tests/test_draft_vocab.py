@@ -169,7 +169,9 @@ def test_a_controller_brings_the_draft_vocabulary_it_was_trained_with(tmp_path):
     args = parser.parse_args(["generate", "--prompt", "x"])
     settle_model_args(args, LearnedPolicy(tmp_path / "older.onnx"))
     assert args.draft_vocab is None  # the default
-    shipped = LearnedPolicy("exports/ctrl.onnx")  # trained on the default size, and says so
+    from controllers.learned_plan import LearnedPlan
+
+    shipped = LearnedPlan("exports/ctrl.onnx")  # trained on the default size, and says so
     args = parser.parse_args(["generate", "--prompt", "x"])
     settle_model_args(args, shipped)
     assert args.draft_vocab == DEFAULT_DRAFT_VOCAB

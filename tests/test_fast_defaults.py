@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from controllers.learned import LearnedPolicy
+from controllers.learned_plan import LearnedPlan
 from tests.tiny import one_clean_line
 from uag import api, cli
 from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
@@ -39,7 +39,7 @@ def test_int8_assistant_stays_off_on_cuda(fake_cuda):
     assert api.resolve_assistant_int8(None, device="cuda", dtype="float32") is False
 
 
-def _settled(argv: list[str], controller: LearnedPolicy | None = None) -> argparse.Namespace:
+def _settled(argv: list[str], controller: LearnedPlan | None = None) -> argparse.Namespace:
     args = cli.build_parser().parse_args(argv)
     cli.settle_model_args(args, controller)
     return args
@@ -71,7 +71,7 @@ def test_collect_and_generate_settle_on_the_same_assistant(fake_cuda, monkeypatc
     """A controller collects its features and latencies with the assistant generate will run it
     with: the same default on each device, and a controller trained with the int8 assistant
     gets the float one where int8 cannot run (it then warns; the output is unaffected)."""
-    shipped = LearnedPolicy(cli.SHIPPED_CONTROLLER)
+    shipped = LearnedPlan(cli.SHIPPED_CONTROLLER)
     assert shipped.info.assistant_int8 is True
     for argv in (["generate", "--prompt", "x"], ["collect", "--prompts", "m", "--out", "o"]):
         assert _settled(argv, shipped).assistant_int8 is False  # CUDA
@@ -82,7 +82,7 @@ def test_collect_and_generate_settle_on_the_same_assistant(fake_cuda, monkeypatc
 
 
 def test_a_controller_trained_on_the_float_assistant_brings_it(monkeypatch):
-    shipped = LearnedPolicy(cli.SHIPPED_CONTROLLER)
+    shipped = LearnedPlan(cli.SHIPPED_CONTROLLER)
     monkeypatch.setattr(shipped, "info", replace(shipped.info, assistant_int8=False))
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
     note = cli.settle_model_args(args, shipped)
@@ -101,7 +101,7 @@ def test_default_policy_is_the_shipped_controllers_fastest_arm_where_it_was_trai
         "learned+lookup"
     )
     # The shipped controller was trained for exactly that run: nothing to warn about.
-    info = LearnedPolicy(cli.SHIPPED_CONTROLLER).info
+    info = LearnedPlan(cli.SHIPPED_CONTROLLER).info
     assert (info.target, info.assistant, info.assistant_int8, info.decoding) == (
         DEFAULT_TARGET,
         DEFAULT_ASSISTANT,
@@ -114,7 +114,6 @@ def test_default_policy_is_the_shipped_controllers_fastest_arm_where_it_was_trai
 @pytest.mark.parametrize(
     "extra",
     [
-        ["--sample"],
         ["--no-assistant-int8"],
         ["--dtype", "bfloat16"],
         ["--target", "some/other-model"],
@@ -124,6 +123,16 @@ def test_default_policy_is_the_shipped_controllers_fastest_arm_where_it_was_trai
 )
 def test_default_policy_falls_back_where_the_shipped_controller_was_not_trained(extra):
     assert cli.default_policy(_generate_args("--device", "cpu", *extra)) == "static+lookup"
+
+
+def test_sampling_runs_the_shipped_sampling_plan(monkeypatch, tmp_path):
+    """Under --sample the default is the shipped sampling plan (a plan trained on sampling
+    collections), and without that file the fallback rule."""
+    assert cli.default_policy(_generate_args("--device", "cpu", "--sample")) == "learned+lookup"
+    assert cli.shipped_controller(sampling=True) == cli.SHIPPED_SAMPLING_CONTROLLER
+    assert LearnedPlan(cli.SHIPPED_SAMPLING_CONTROLLER).info.decoding == "sampling"
+    monkeypatch.setattr(cli, "SHIPPED_SAMPLING_CONTROLLER", tmp_path / "gone.onnx")
+    assert cli.default_policy(_generate_args("--device", "cpu", "--sample")) == "static+lookup"
 
 
 def test_default_policy_falls_back_on_cuda(fake_cuda):

@@ -284,16 +284,20 @@ def test_lossless_with_float_assistant():
 
 
 def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
-    """``uag.harness.dryrun`` on the real cross-tokenizer pair: for a static lookahead and the shipped
-    controller (which reads the target's statistics), the replayed rounds are the loop's."""
+    """``uag.harness.dryrun`` on the real cross-tokenizer pair: for a static lookahead, the stop
+    controller (which reads the target's statistics) and the shipped plan (copies of its own
+    lengths, steps and drafts), the replayed rounds are the loop's."""
     from pathlib import Path
 
     from controllers.learned import LearnedPolicy
+    from controllers.learned_plan import LearnedPlan
     from uag.api import encode_prompt, render_prompt
+    from uag.decoding.actions import copy_lookup
     from uag.decoding.profile import LatencyProfile
     from uag.harness import dryrun
 
-    shipped = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
+    exports = Path(__file__).resolve().parents[1] / "exports"
+    shipped = exports / "ctrl-stop.onnx"
     profile = LatencyProfile(device="cpu:test", draft_s=0.005, verify_s=[0.016, 0.017])
     fields = ("drafted", "candidates", "accepted_candidates", "emitted", "accepted_drafts")
     for name in ("python_deep_indent", "unicode_mix", "crlf"):
@@ -302,10 +306,21 @@ def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
             real_pair, render_prompt(real_pair, prompt, chat=False)
         )
         trace = dryrun.record_trace(real_pair, target_ids, 24)
-        for make in (lambda: StaticPolicy(k=3), lambda: LearnedPolicy(shipped)):
-            live = uag.generate(real_pair, prompt, policy=make(), max_new_tokens=24)
+        for make, lookup in (
+            (lambda: StaticPolicy(k=3), lambda: None),
+            (lambda: LearnedPolicy(shipped), lambda: None),
+            (lambda: LearnedPlan(exports / "ctrl.onnx"), copy_lookup),
+        ):
+            live = uag.generate(
+                real_pair, prompt, policy=make(), lookup=lookup(), max_new_tokens=24
+            )
             run = dryrun.replay(
-                real_pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
+                real_pair,
+                trace,
+                make(),
+                prompt_assistant_ids=assistant_ids,
+                profile=profile,
+                lookup=lookup(),
             )
             assert tuple(live.token_ids) == trace.ids
             rounds = [[getattr(r, f) for f in fields] for r in run.records]
@@ -324,7 +339,7 @@ def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
     pair = uag.load_pair(
         target="gemma-3-270m", assistant="gemma-3-270m", draft_vocab=0, assistant_int8=False
     )  # the float assistant: the target's own logits, so every draft is accepted
-    policy = LearnedPolicy(Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx")
+    policy = LearnedPolicy(Path(__file__).resolve().parents[1] / "exports" / "ctrl-stop.onnx")
     for name in ("python_deep_indent", "prose", "cjk"):
         out = uag.generate(pair, NASTY_PROMPTS[name], policy=policy, max_new_tokens=48)
         rounds, room = [], 48
@@ -334,3 +349,56 @@ def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
             room -= r.emitted
         assert rounds and all(r.drafted >= 1 for r in rounds), (name, [r.drafted for r in rounds])
         assert sum(r.accepted_drafts for r in rounds) == sum(r.drafted for r in rounds), name
+
+
+def test_shipped_plan_keeps_copying_when_every_copy_is_accepted(real_pair):
+    """Issue 9's lock-in, extended to the plan's actions: a controller whose own successes
+    read as a reason to stop freezes into the plain step. Exact replay against a fabricated
+    record whose continuation is the prompt again, token for token (so every copy of the
+    match is right): once a copy has been accepted whole, the shipped plan must keep copying,
+    and copy as far as a verify allows, to the end. (Drafts: on this machine's prices the plan
+    drafts in few rounds; the stop controller's test above covers drafting on.)"""
+    from pathlib import Path
+
+    from controllers.learned_plan import LearnedPlan
+    from uag.api import encode_prompt, render_prompt
+    from uag.decoding.actions import Copy, Step, copy_lookup
+    from uag.decoding.profile import LatencyProfile
+    from uag.decoding.round import MAX_CANDIDATES
+    from uag.harness import dryrun
+
+    plan_file = Path(__file__).resolve().parents[1] / "exports" / "ctrl.onnx"
+    profile = LatencyProfile(device="cpu:test", draft_s=0.005, verify_s=[0.016, 0.017])
+    for name in ("python_deep_indent", "prose", "cjk"):
+        target_ids, assistant_ids = encode_prompt(
+            real_pair, render_prompt(real_pair, NASTY_PROMPTS[name], chat=False)
+        )
+        again = tuple(target_ids[1:])[:64]  # the prompt once more (after its BOS)
+        trace = dryrun.TargetTrace(
+            prompt_ids=tuple(target_ids),
+            ids=again,
+            probs=(0.9,) * len(again),
+            entropies=(0.5,) * len(again),
+            prefill_s=0.0,
+        )
+        plan = LearnedPlan(plan_file)
+        run = dryrun.replay(
+            real_pair,
+            trace,
+            plan,
+            prompt_assistant_ids=assistant_ids,
+            profile=profile,
+            lookup=copy_lookup(),
+        )
+        records = run.records
+        first_full = next(
+            i for i, r in enumerate(records) if r.lookup and r.accepted_candidates == r.candidates
+        )
+        later = list(zip(plan.taken[first_full + 1 :], records[first_full + 1 :], strict=True))
+        assert later, name
+        for action, record in later:
+            assert isinstance(action, Copy), (name, [a.name for a in plan.taken])
+            assert record.accepted_candidates == record.candidates, name
+        long_copies = [a for a, _ in later[:-1] if a.length >= MAX_CANDIDATES - 1]
+        assert len(long_copies) >= len(later) - 2, (name, [a.name for a in plan.taken])
+        assert not any(isinstance(a, Step) for a, _ in later), name
