@@ -27,16 +27,16 @@ DEMO := runs/demo
 demo: $(STAMP)
 	@echo "== 1/5 models: convert the embedded GGUF files and prepare them once (cached in $${UAG_CACHE:-~/.cache/uag})"
 	$(BIN)/uag models prepare gemma-3-270m smollm2-135m
-	@echo "== 2/5 collect: draft 6 tokens every round on 6 training prompts, log features + acceptance (int8 assistant: the CPU default)"
-	$(BIN)/uag collect --prompts mixed:train --limit 6 --max-new-tokens 32 --max-lookahead 6 \
-		--out $(DEMO)/collected --overwrite --logdir $(DEMO)/tb-collect
-	@echo "== 3/5 train: a small controller on that data (the shipped one used 120 prompts)"
-	$(BIN)/uag train-controller --data $(DEMO)/collected --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10 --no-gate
-	@echo "== 4/5 generate with the defaults: the shipped controller after prompt lookup (learned+lookup), checked token-identical to the target alone"
+	@echo "== 2/5 collect --plan: at every round start of 24 training prompts, the features known then and what each action (step, copy:L, draft:K) would yield, by exact replay"
+	$(BIN)/uag collect --plan --prompts humaneval:train+mixed:train --limit 12 --max-new-tokens 32 --explore 0.25 \
+		--out $(DEMO)/plan --overwrite
+	@echo "== 3/5 train: a small plan on that data, R tuned by whole-run replay (the shipped one used 280 runs of 128 tokens)"
+	$(BIN)/uag train-controller --data $(DEMO)/plan --out $(DEMO)/ctrl.onnx --logdir $(DEMO)/tb-train --max-epochs 10
+	@echo "== 4/5 generate with the defaults: the shipped plan chooses every round, checked token-identical to the target alone"
 	$(BIN)/uag generate --max-new-tokens 64 --compare-target-only --prompt "def is_prime(n: int) -> bool:"
 	@echo "== 5/5 bench on 2 held-out prompts (see README for the full table)"
 	$(BIN)/uag bench --prompts humaneval:test --limit 2 --max-new-tokens 64 \
-		--controller exports/ctrl.onnx --policies target-only,static-2,transformers,learned,lookup,learned+lookup,oracle --out $(DEMO)/bench
+		--policies target-only,static-2,transformers,lookup,static-2+lookup,learned,oracle --out $(DEMO)/bench
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)"
 
 ## The test suite CI runs (real-pair tests included; `-m slow` ones excluded).

@@ -198,8 +198,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/reprice.json"))
     args = parser.parse_args(argv)
     from uag.api import encode_prompt, render_prompt
-    from uag.decoding.round import MAX_CANDIDATES
-    from uag.harness.latency import measure_pair_profile
 
     cfg = RunConfig(prompts=args.prompts, out=args.out.parent, limit=args.limit)
     pair = cfg.load_pair()
@@ -208,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, p.text, chat=False))
         trace = dryrun.record_trace(pair, target_ids, args.max_new_tokens)
         recorded.append(Recorded(trace=trace, assistant_ids=assistant_ids))
-    base = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES)
+    # The plan's own profile (measured when its data was collected): the same prices it was
+    # trained at, and no timing taken on a machine that may be busy now.
+    base = LearnedPlan(args.controller).profile
     rows = reprice_table(pair, recorded, base, controller=args.controller)
     table = markdown(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
