@@ -20,14 +20,12 @@ estimates ``E_a`` from features known at the round's start.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from uag.decoding.actions import Action, ActionChoice, ActionSet, Copy, Draft
+from uag.decoding.actions import ActionSet, Copy, Draft
 from uag.decoding.plan_features import PLAN_FEATURE_NAMES
 from uag.decoding.profile import LatencyProfile
-from uag.decoding.round import Session
 
 _MATCH = PLAN_FEATURE_NAMES.index("match_tokens")
 _LAG = PLAN_FEATURE_NAMES.index("lag")
@@ -98,47 +96,3 @@ def best_action(
     gain = np.asarray(expected, dtype=np.float64) - rate * np.asarray(prices, dtype=np.float64)
     gain[~np.isfinite(gain)] = -np.inf
     return int(np.argmax(gain))
-
-
-class OraclePlan(ActionChoice):
-    """Each round takes the action whose *exact* outcome there (counterfactual labels from
-    ``trace``, or ``labeller``'s: under sampling, the expected outcome) maximises emitted −
-    ``rate`` × price: the ceiling a learned plan is judged against.
-
-    ``rate``: tokens per second (Dinkelbach's R; the caller iterates it to the plan's own rate,
-    ``oracle_rate``)."""
-
-    name = "oracle-plan"
-
-    def __init__(
-        self,
-        *,
-        actions: ActionSet,
-        profile: LatencyProfile,
-        rate: float,
-        trace: Any = None,
-        eos: Any = None,
-        labeller: Any = None,
-    ) -> None:
-        super().__init__()
-        self.actions, self.profile, self.rate = actions, profile, rate
-        if labeller is None:  # greedy: exact outcomes from the recorded target run
-            from uag.harness.counterfactual import Labeller  # harness → controllers, not back
-
-            labeller = Labeller(trace=trace, actions=actions, eos=eos, choice=self)
-        else:  # e.g. sampling's expected outcomes (``uag.harness.plan_collect``)
-            labeller.choice = self
-        self.labeller = labeller
-
-    def next_action(self, session: Session) -> Action:
-        self.labeller(session)
-        outcomes = self.labeller.rounds[-1]["outcomes"]
-        prices = [
-            action_price(
-                self.profile, candidates=o.candidates, draft_steps=o.draft_steps, lag=o.lag
-            )
-            for o in outcomes
-        ]
-        return self.actions.actions[
-            best_action([o.emitted for o in outcomes], prices, rate=self.rate)
-        ]

@@ -217,10 +217,9 @@ def test_sampling_labels_are_the_accept_probabilities_of_the_copy(toy):
     labeller reads the ``p_i`` from a fork of the run's target; here they are recomputed from
     scratch (a fresh sequence fed the round's prefix and the whole match), so a fork that
     shares or shifts the run's cache would disagree."""
-    from controllers.plan import OraclePlan
     from uag.decoding.lookup import PromptLookup
     from uag.decoding.sampling import SamplingConfig, processed_probs
-    from uag.harness.plan_collect import SamplingLabeller
+    from uag.harness.plan_collect import OraclePlan, SamplingLabeller
 
     actions = ActionSet.standard(max_copy=4, max_draft=0)
     sampling = SamplingConfig(temperature=0.8, seed=3)

@@ -41,9 +41,9 @@ from controllers.plan import action_price, plan_choice, row_prices
 from uag.decoding.actions import ActionSet, Copy, Draft
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan_features import PLAN_FEATURE_NAMES, PLAN_SCHEMA_VERSION
+from uag.decoding.plan_features import PLAN_META as META
 from uag.decoding.profile import LatencyProfile
 from uag.errors import UagError
-from uag.harness.plan_collect import META
 
 SPLITS = {"train": range(0, 14), "tune": range(14, 17), "report": range(17, 20)}
 """Of ``sha1(prompt id) % 20``: which split a prompt falls in."""
@@ -398,69 +398,6 @@ REPLAY_GRID = (1.5, 2.0, 2.5, 3.0, 3.5)
 """Dinkelbach's R (× the target-alone rate) tried by whole-run replay on the tune prompts."""
 
 
-def replay_figures(
-    onnx: Path,
-    data: PlanData,
-    prompt_ids: list[str],
-    *,
-    grid: Sequence[float],
-    pair: Any,
-) -> dict[str, float]:
-    """Whole-run exact replay (``uag.harness.dryrun``) on ``prompt_ids``: speed-up over the
-    target alone, priced by the collection's profile, of prompt lookup alone and of the plan at
-    each R of ``grid`` (``learned@R``), every round the real loop's. Greedy only."""
-    from controllers.learned_plan import LearnedPlan
-    from controllers.rules import NoDraftPolicy
-    from uag.api import encode_prompt, render_prompt
-    from uag.decoding.actions import copy_lookup
-    from uag.harness import dryrun
-
-    settings = data.meta.get("settings", {})
-    tokens = int(settings.get("max_new_tokens", 128))
-    profile = data.profile
-    recorded = []
-    for prompt_id in prompt_ids:
-        text = data.texts[prompt_id]
-        target_ids, assistant_ids = encode_prompt(
-            pair, render_prompt(pair, text, chat=bool(settings.get("chat", False)))
-        )
-        recorded.append((dryrun.record_trace(pair, target_ids, tokens), assistant_ids))
-    traces = [t for t, _ in recorded]
-
-    def speed(make: Any, lookup: Any) -> float:
-        runs = [
-            dryrun.replay(pair, t, make(), prompt_assistant_ids=a, profile=profile, lookup=lookup())
-            for t, a in recorded
-        ]
-        return dryrun.predicted_speedup(runs, traces, profile, timed_policy=False)
-
-    out = {"lookup": speed(NoDraftPolicy, PromptLookup)}
-    first = LearnedPlan(onnx)
-    for factor in grid:
-
-        def make(factor: float = factor) -> LearnedPlan:
-            plan = LearnedPlan(onnx, session=first.session)
-            plan.rate = factor / profile.target_step_s
-            return plan
-
-        out[f"learned@{factor:g}"] = speed(make, copy_lookup)
-    return out
-
-
-def load_collection_pair(data: PlanData) -> Any:
-    """The pair a collection ran (its settings), for whole-run replay."""
-    from uag.api import load_pair
-
-    settings = data.meta.get("settings", {})
-    return load_pair(
-        settings.get("target", "gemma-3-270m"),
-        settings.get("assistant", "smollm2-135m"),
-        assistant_int8=settings.get("assistant_int8"),
-        kernels=settings.get("kernels", "auto"),
-        draft_vocab=settings.get("draft_vocab"),
-    )
-
-
 @dataclass
 class PlanSummary:
     """What ``train_plan`` exported and its per-round figures."""
@@ -500,8 +437,11 @@ class PlanSummary:
         return "\n".join(lines)
 
 
-def train_plan(cfg: Any) -> PlanSummary:
-    """A ``TrainConfig`` whose data is one ``uag collect --plan`` run → an exported plan."""
+def train_plan(cfg: Any, *, replayer: Any = None) -> PlanSummary:
+    """A ``TrainConfig`` whose data is one ``uag collect --plan`` run → an exported plan.
+    ``replayer`` (``uag.harness.plan_replay.Replayer``; the harness floor, which loads models):
+    whole-run exact replay to choose R on the tune prompts and report on the report prompts;
+    None: R chosen per round."""
     from training.export import export_onnx
     from training.train import _trainer
 
@@ -557,16 +497,14 @@ def train_plan(cfg: Any) -> PlanSummary:
     export: dict[str, Any] = {"check_rows": check, "output_name": "expected_tokens"}
     tune_ids, report_ids = data.prompts_in("tune"), data.prompts_in("report")
     can_replay = greedy and all(i in data.texts for i in tune_ids + report_ids)
-    if cfg.replay and can_replay:
+    if replayer is not None and cfg.replay and can_replay:
         # Whole runs, not rounds: R is chosen where a choice's effect on later rounds counts.
         export_onnx(net, cfg.out, metadata=metadata(rate_factor, figures), **export)
-        pair = load_collection_pair(data)
-        replayed["tune"] = replay_figures(cfg.out, data, tune_ids, grid=REPLAY_GRID, pair=pair)
+        replay = replayer(data)
+        replayed["tune"] = replay(cfg.out, tune_ids, grid=REPLAY_GRID)
         rate_factor = max(REPLAY_GRID, key=lambda k: replayed["tune"][f"learned@{k:g}"])
         export_onnx(net, cfg.out, metadata=metadata(rate_factor, figures), **export)
-        replayed["report"] = replay_figures(
-            cfg.out, data, report_ids, grid=(rate_factor,), pair=pair
-        )
+        replayed["report"] = replay(cfg.out, report_ids, grid=(rate_factor,))
         figures["replay_speedup"] = {k: round(v, 4) for k, v in replayed["report"].items()}
     diff = export_onnx(net, cfg.out, metadata=metadata(rate_factor, figures), **export)
     logger = trainer.logger

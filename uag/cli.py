@@ -956,7 +956,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(TrainConfig, args)
     if any(is_plan_collection(d) for d in cfg.data):
-        plan = train_plan(cfg)
+        from uag.harness.plan_replay import replayer
+
+        plan = train_plan(cfg, replayer=replayer)
         print(plan.table())
         print(f"TensorBoard: tensorboard --logdir {cfg.logdir}   (this run: {plan.log_dir})")
         return 0

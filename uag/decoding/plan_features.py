@@ -27,6 +27,8 @@ from uag.decoding.features import repeat_length
 from uag.decoding.round import IterationRecord, Session
 
 PLAN_SCHEMA_VERSION = 3
+PLAN_META = "plan-meta.json"
+"""The file a ``uag collect --plan`` directory is recognised by (collect writes, training reads)."""
 CONTEXT = 64
 """How far back ``match_context`` compares the text before the match with the text now."""
 RECENT = 4

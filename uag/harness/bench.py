@@ -46,7 +46,6 @@ import torch
 from tqdm import tqdm
 
 from controllers.learned_plan import LearnedPlan, load_controller
-from controllers.plan import OraclePlan
 from controllers.rules import StaticPolicy
 from controllers.spec import parse_policy, parse_policy_list
 from training import replay
@@ -73,6 +72,7 @@ from uag.harness.distribution import (
 )
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile, pair_sampler
+from uag.harness.plan_collect import OraclePlan
 from uag.harness.prompts import load_prompts
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"

@@ -34,23 +34,24 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from controllers.plan import OraclePlan
-from uag.decoding.actions import Action, ActionSet, Copy, Draft, copy_lookup
+from controllers.plan import action_price, best_action
+from uag.decoding.actions import Action, ActionChoice, ActionSet, Copy, Draft, copy_lookup
 from uag.decoding.plan_features import (
     PLAN_FEATURE_NAMES,
     PLAN_SCHEMA_VERSION,
     plan_row,
     round_state,
 )
+from uag.decoding.plan_features import PLAN_META as META
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import MAX_CANDIDATES, Session
 from uag.decoding.sampling import SamplingConfig
 from uag.decoding.speculative import speculate
 from uag.errors import UagError
 from uag.harness import dryrun
+from uag.harness.counterfactual import Labeller
 from uag.harness.prompts import Prompt
 
-META = "plan-meta.json"
 OUTCOME_COLUMNS = ("emitted", "candidates", "draft_steps", "lag")
 """Per round and action: what ``Outcome`` says, the columns a price and a label need."""
 
@@ -130,6 +131,48 @@ class SamplingLabeller:
                 "outcomes": tuple(outcomes),
             }
         )
+
+
+class OraclePlan(ActionChoice):
+    """Each round takes the action whose *exact* outcome there (counterfactual labels from
+    ``trace``, or ``labeller``'s: under sampling, the expected outcome) maximises emitted −
+    ``rate`` × price: the ceiling a learned plan is judged against.
+
+    ``rate``: tokens per second (Dinkelbach's R; the caller iterates it to the plan's own rate,
+    ``oracle_rate``)."""
+
+    name = "oracle-plan"
+
+    def __init__(
+        self,
+        *,
+        actions: ActionSet,
+        profile: LatencyProfile,
+        rate: float,
+        trace: Any = None,
+        eos: Any = None,
+        labeller: Any = None,
+    ) -> None:
+        super().__init__()
+        self.actions, self.profile, self.rate = actions, profile, rate
+        if labeller is None:  # greedy: exact outcomes from the recorded target run
+            labeller = Labeller(trace=trace, actions=actions, eos=eos, choice=self)
+        else:  # e.g. sampling's expected outcomes (``uag.harness.plan_collect``)
+            labeller.choice = self
+        self.labeller = labeller
+
+    def next_action(self, session: Session) -> Action:
+        self.labeller(session)
+        outcomes = self.labeller.rounds[-1]["outcomes"]
+        prices = [
+            action_price(
+                self.profile, candidates=o.candidates, draft_steps=o.draft_steps, lag=o.lag
+            )
+            for o in outcomes
+        ]
+        return self.actions.actions[
+            best_action([o.emitted for o in outcomes], prices, rate=self.rate)
+        ]
 
 
 class ExploringOracle(OraclePlan):

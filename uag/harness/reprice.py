@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from controllers.learned_plan import LearnedPlan
-from controllers.plan import OraclePlan
 from controllers.rules import NoDraftPolicy
 from controllers.spec import parse_policy
 from uag.decoding.actions import copy_lookup
@@ -33,7 +32,7 @@ from uag.decoding.lookup import PromptLookup
 from uag.decoding.profile import LatencyProfile
 from uag.harness import dryrun
 from uag.harness.jobs import RunConfig
-from uag.harness.plan_collect import default_actions
+from uag.harness.plan_collect import OraclePlan, default_actions
 from uag.harness.prompts import load_prompts
 
 FIXED_ARMS = (
