@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from controllers.learned import ContractWarnings, _session
-from controllers.plan import plan_choice, row_prices
+from controllers.plan import ActionPrices, plan_choice
 from uag.decoding.actions import Action, ActionChoice, ActionSet
 from uag.decoding.plan_features import (
     PLAN_FEATURE_NAMES,
@@ -129,10 +129,18 @@ class LearnedPlan(ContractWarnings, ActionChoice):
         self.input_name = self.session.get_inputs()[0].name
         self.output_name = self.session.get_outputs()[0].name
         self.profile = self.info.profile
-        """What the choice prices with (the file's; ``uag.harness.reprice`` swaps it)."""
         self.rate = self.info.rate_factor / self.profile.target_step_s
         self.decisions = 0
         self._prompt_bytes = b""
+
+    @property
+    def profile(self) -> LatencyProfile:
+        """What the choice prices with (the file's; ``uag.harness.reprice`` swaps it)."""
+        return self._prices.profile
+
+    @profile.setter
+    def profile(self, profile: LatencyProfile) -> None:
+        self._prices = ActionPrices(self.actions, profile)
 
     def next_action(self, session: Session) -> Action:
         if self.lookup is None:
@@ -151,9 +159,9 @@ class LearnedPlan(ContractWarnings, ActionChoice):
         """The action for a round-start feature row (``drafts``: the assistant can draft)."""
         self.decisions += 1
         expected = self.session.run([self.output_name], {self.input_name: row[None, :]})[0][0]
-        prices = row_prices(row, actions=self.actions, profile=self.profile, drafts=drafts)
+        prices = self._prices.for_row(row, drafts=drafts)
         return self.actions.actions[
-            plan_choice(np.asarray(expected, dtype=np.float64), row, prices=prices, rate=self.rate)
+            plan_choice(expected.tolist(), row, prices=prices, rate=self.rate)
         ]
 
 

@@ -290,3 +290,30 @@ def test_repricing_prices_the_same_rounds_at_each_price_point(toy, tmp_path):
         assert arms <= row.keys() and all(row[a] > 0 for a in arms)
     assert rows[2]["static-2"] > rows[1]["static-2"]
     assert "learned / best fixed" in reprice.markdown(rows)
+
+
+def test_cached_prices_equal_each_action_priced_on_its_own():
+    """The run-time pricer (computed once per run) prices every round as ``action_price``
+    would, action by action: copies by their rows, drafts by steps, candidates and catch-up."""
+    from controllers.plan import action_price
+
+    for match, lag, ratio in [(0, 0, 1.0), (3, 7, 1.5), (4, 40, 0.5)]:
+        row = _row(match_tokens=match, lag=np.log1p(lag), draft_ratio=ratio)
+        got = row_prices(row, actions=ACTIONS, profile=PROFILE)
+        for i, a in enumerate(ACTIONS):
+            if isinstance(a, Copy):
+                want = (
+                    action_price(PROFILE, candidates=a.length, draft_steps=0, lag=0)
+                    if a.length <= match
+                    else np.inf
+                )
+            elif isinstance(a, Draft):
+                want = action_price(
+                    PROFILE,
+                    candidates=max(round(a.lookahead * ratio), 1),
+                    draft_steps=a.lookahead,
+                    lag=lag,
+                )
+            else:
+                want = action_price(PROFILE, candidates=0, draft_steps=0, lag=0)
+            assert got[i] == want, (a, match, lag, ratio)

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from controllers.plan import action_price, plan_choice, row_prices
+from controllers.plan import ActionPrices, action_price, plan_choice
 from uag.decoding.actions import ActionSet, Copy, Draft
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan_features import PLAN_FEATURE_NAMES, PLAN_SCHEMA_VERSION
@@ -347,14 +347,13 @@ def choices(data: PlanData, expected: np.ndarray, *, rate_factor: float) -> np.n
     """The learned plan's action per round, by the run-time rule."""
     rate = rate_factor / data.profile.target_step_s
     drafts = any(isinstance(a, Draft) for a in data.actions)
+    prices = ActionPrices(data.actions, data.profile)
     return np.array(
         [
             plan_choice(
                 expected[r],
                 data.features[r],
-                prices=row_prices(
-                    data.features[r], actions=data.actions, profile=data.profile, drafts=drafts
-                ),
+                prices=prices.for_row(data.features[r], drafts=drafts),
                 rate=rate,
             )
             for r in range(len(expected))
