@@ -243,3 +243,40 @@ def test_the_check_reads_the_sampling_logits_too(tokenizers):
     lm.full_logits = lambda hidden: full(hidden) + (1e-6 if hidden.shape[0] > 1 else 0.0)
     found = invariance.compare_rows(lm)
     assert found is not None and found.startswith("sampling logits"), found
+
+
+def test_the_recompute_feeds_the_rounds_positions_alone(tokenizers):
+    """On a path that fails the check, a near-tie's recompute equals target-alone's logits
+    bitwise (given the cache before the round): the positions the tied row attends to are fed
+    again one row at a time, not left with the keys and values the verify wrote. Fails when
+    only the tied position is re-fed."""
+    gemma_tok, _ = tokenizers
+    model = tiny_gemma(len(gemma_tok))
+    for layer in model.model.layers:
+        for linear in layer.modules():
+            if isinstance(linear, nn.Linear):
+                linear.forward = types.MethodType(_row_parity_split, linear)
+    pair = make_pair(
+        wrap_model(model, gemma_tok, ref="t"),
+        wrap_model(model, gemma_tok, ref="a"),
+        kernels="plain",
+    )
+    lm = pair.target_lm
+    assert not lm.row_invariant
+    prompt, tokens, row = list(range(40, 52)), [300, 301, 302, 303, 304, 305], 3
+    lm.reset(prompt, rollback=True)  # target-alone: the prompt, then one row per step
+    lm.forward()
+    alone = []
+    for tok in tokens:
+        lm.ids.append(tok)
+        alone.append(lm.greedy(lm.forward()[-1:]).logits[0].clone())
+    lm.reset(prompt, rollback=True)  # a round: the pending token and 5 candidates at once
+    lm.forward()
+    lm.ids.append(tokens[0])
+    base = len(lm.ids)
+    lm.ids.extend(tokens[1:])
+    together = lm.greedy(lm.forward()).logits
+    assert not torch.equal(together[row], alone[row])  # the verify rounds differently
+    recomputed = verifiers._recompute_alone(lm, row=row, base=base)
+    assert lm.ids == [*prompt, *tokens[: row + 1]]
+    assert torch.equal(recomputed.logits[0], alone[row])

@@ -41,8 +41,8 @@ class GreedyVerifier:
     With row-count-invariant kernels (native by construction; any other path that passes the
     load-time check, ``uag.runtime.invariance``) that is bitwise what target-alone computes. On
     a path that fails the check a row may round differently with the row count, so a verified
-    position whose top-2 margin is under ``tie_bound`` is recomputed in a one-row forward (over
-    the cache as verified: exact up to that bound, see docs/lossless.md).
+    position whose top-2 margin is under ``tie_bound`` is recomputed with one-row forwards from
+    the round's first position (see docs/lossless.md for what holds).
     """
 
     def __init__(self) -> None:
@@ -116,15 +116,22 @@ def _first_near_tie(head: HeadOutput, *, upto: int) -> int | None:
 
 
 def _recompute_alone(target: CachedLM, *, row: int, base: int) -> HeadOutput:
-    """The target's choice after verified row ``row``, computed in a one-row forward.
+    """The target's choice after verified row ``row``, computed as target-alone would.
 
-    ``base`` is ``len(target.ids)`` before the candidates were appended, so row ``row`` fed id
-    ``base - 1 + row``. The cache keeps everything before it; the id is fed again alone.
+    ``base`` is ``len(target.ids)`` before the candidates were appended, so rows ``0..row`` fed
+    ids ``base - 1 .. base - 1 + row``. Those are fed again one row per forward: the keys and
+    values the tied row attends to are then the ones one-row steps write, not the verify's
+    (which a path failing the row-count check may round differently). Costs ``row + 1`` one-row
+    forwards, only at a near-tie.
     """
-    fed = target.ids[base - 1 + row]
-    target.truncate(base - 1 + row)
-    target.ids.append(fed)
-    return target.greedy(target.forward()[-1:])
+    fed = target.ids[base - 1 : base + row]
+    target.truncate(base - 1)
+    hidden = None
+    for token in fed:
+        target.ids.append(token)
+        hidden = target.forward()
+    assert hidden is not None
+    return target.greedy(hidden[-1:])
 
 
 class SamplingVerifier:
