@@ -19,6 +19,9 @@ absolute times), whether each arm's tokens equal ``uag-target``'s, and where uag
 
 ``--verify-table`` prints what one target forward over 1–9 positions costs with the current
 kernels (body, head, total, ratio to one row): the price of verifying 0–8 candidates.
+``--floor-table`` prints the bytes each step reads (body, head screening, keys and values,
+candidates), the machine's read bandwidth and each step's ratio to that floor, for the target
+(1–9 rows) and the assistant's draft step (``uag.harness.floor``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from uag import api
 from uag.api import Pair
 from uag.decoding.policy import StopPolicy
 from uag.harness.bench import transformers_generate
+from uag.harness.floor import floor_table
 from uag.harness.latency import measure_verify_costs
 from uag.kernels.choice import KERNEL_CHOICES
 
@@ -177,11 +181,19 @@ def main() -> None:
     parser.add_argument(
         "--verify-table", action="store_true", help="print the verify-cost table and exit"
     )
+    parser.add_argument(
+        "--floor-table",
+        action="store_true",
+        help="print bytes read per step against the machine's read bandwidth and exit",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="repeats per row count (table)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     args = parser.parse_args()
     if args.verify_table:
         print(verify_table(args.kernels, args.repeats))
+        return
+    if args.floor_table:
+        print(floor_table(api.load_pair(kernels=args.kernels), repeats=args.repeats))
         return
     report = run(args.tasks, args.max_new_tokens, args.lookahead, args.kernels)
     print(to_markdown(report))
