@@ -169,17 +169,7 @@ def test_onednn_with_a_width_not_a_multiple_of_32(tokenizers, monkeypatch):
 def test_a_path_failing_the_check_keeps_the_guard(tokenizers, capsys):
     """Rows that differ padded or not leave ``row_invariant`` off, so the verifier guards
     near-ties, with the bound grown to the dtype's rounding at the logits' size."""
-    gemma_tok, _ = tokenizers
-    model = tiny_gemma(len(gemma_tok))
-    for layer in model.model.layers:
-        for linear in layer.modules():
-            if isinstance(linear, nn.Linear):
-                linear.forward = types.MethodType(_row_parity_split, linear)
-    pair = make_pair(
-        wrap_model(model, gemma_tok, ref="t"),
-        wrap_model(model, gemma_tok, ref="a"),
-        kernels="plain",
-    )
+    pair = _failing_pair(tokenizers)
     lm = pair.target_lm
     report = lm.invariance
     assert not report.invariant and not lm.row_invariant and lm.pad_rows == 0, report
@@ -189,6 +179,22 @@ def test_a_path_failing_the_check_keeps_the_guard(tokenizers, capsys):
     logits = torch.full((10,), 26.0, dtype=torch.bfloat16)
     assert verifiers.tie_bound(logits) == pytest.approx(8 * 2**-7 * 26)
     assert verifiers.tie_bound(logits.float()) == verifiers.TIE_BOUND
+
+
+def _failing_pair(tokenizers):
+    """A tiny Gemma on the plain path whose linears split by ``_row_parity_split``: a path
+    that fails the load-time check padded or not."""
+    gemma_tok, _ = tokenizers
+    model = tiny_gemma(len(gemma_tok))
+    for layer in model.model.layers:
+        for linear in layer.modules():
+            if isinstance(linear, nn.Linear):
+                linear.forward = types.MethodType(_row_parity_split, linear)
+    return make_pair(
+        wrap_model(model, gemma_tok, ref="t"),
+        wrap_model(model, gemma_tok, ref="a"),
+        kernels="plain",
+    )
 
 
 def _row_parity_split(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -250,17 +256,7 @@ def test_the_recompute_feeds_the_rounds_positions_alone(tokenizers):
     bitwise (given the cache before the round): the positions the tied row attends to are fed
     again one row at a time, not left with the keys and values the verify wrote. Fails when
     only the tied position is re-fed."""
-    gemma_tok, _ = tokenizers
-    model = tiny_gemma(len(gemma_tok))
-    for layer in model.model.layers:
-        for linear in layer.modules():
-            if isinstance(linear, nn.Linear):
-                linear.forward = types.MethodType(_row_parity_split, linear)
-    pair = make_pair(
-        wrap_model(model, gemma_tok, ref="t"),
-        wrap_model(model, gemma_tok, ref="a"),
-        kernels="plain",
-    )
+    pair = _failing_pair(tokenizers)
     lm = pair.target_lm
     assert not lm.row_invariant
     prompt, tokens, row = list(range(40, 52)), [300, 301, 302, 303, 304, 305], 3
