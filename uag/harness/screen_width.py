@@ -118,7 +118,9 @@ def _count(logits: torch.Tensor, bound: torch.Tensor) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m uag.harness.screen_width", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--prompts", default="mixed:test+humaneval:test")
     parser.add_argument("--limit", type=int, default=4, help="prompts per source")
     parser.add_argument("--tokens", type=int, default=48, help="decode steps per prompt")
