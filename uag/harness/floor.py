@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from uag.harness.latency import measure_verify_costs, text_ids
+from uag.runtime.runner import streamed_slots
 
 BANDWIDTH_BYTES = 1 << 30
 """Buffer the bandwidth is measured over: 1 GiB, far above any last-level cache here."""
@@ -102,9 +103,9 @@ def kv_bytes(lm: Any, *, context: int, rows: int) -> int:
     return total
 
 
-def _streamed_head(module: Any) -> list[tuple[Any, str]]:
-    reader = getattr(module, "streamed", None)
-    return reader() if reader is not None else []
+def _fast_head(lm: Any) -> Any:
+    """The target's fast greedy head (the screened head on the native kernels), or None."""
+    return lm._greedy.fast if lm._greedy is not None else None
 
 
 def target_floor(
@@ -114,9 +115,9 @@ def target_floor(
     median time (``measure_verify_costs``: body and greedy head, row counts interleaved) and
     the floor."""
     lm = pair.target_lm
-    fast = lm._greedy.fast if lm._greedy is not None else None
+    fast = _fast_head(lm)
     body = slot_bytes(lm.lean.streamed())
-    head = slot_bytes(_streamed_head(fast if fast is not None else lm.head))
+    head = slot_bytes(streamed_slots(None, lm.head, fast))
     exact = getattr(fast, "exact", None)
     # a candidate's exact logit reads its row of the exact block copy, else of the fp32 weight
     row_bytes = 0
@@ -151,7 +152,7 @@ def target_floor(
 def _candidate_counts(lm: Any, tokenizer: Any, *, context: int, max_rows: int) -> dict[int, int]:
     """The screened head's exact candidates (all rows together) per row count, on the same
     text ``measure_verify_costs`` times; 0 where the head does not screen."""
-    fast = lm._greedy.fast if lm._greedy is not None else None
+    fast = _fast_head(lm)
     ids = text_ids(tokenizer, context + max_rows)
     counts = {}
     lm.reset(ids[:context], rollback=True)
@@ -170,9 +171,9 @@ def assistant_floor(pair: Any, *, bandwidth: float, context: int, repeats: int) 
     """The assistant's draft step (one row through its body, then its draft head) at
     ``context`` tokens: bytes, median time and floor."""
     lm = pair.assistant_lm
-    head_module = lm.draft_head if lm.draft_head is not None else lm.head
     body = slot_bytes(lm.lean.streamed())
-    head = slot_bytes(_streamed_head(head_module))
+    draft = lm.draft_head if lm.draft_head is not None else lm.head
+    head = slot_bytes(streamed_slots(None, draft, None))
     ids = text_ids(pair.assistant.tokenizer, context + 1)
     lm.reset(ids[:context], rollback=True)
     lm.forward()

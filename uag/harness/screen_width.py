@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,7 @@ def _count(logits: torch.Tensor, bound: torch.Tensor) -> int:
     return int((logits + bound >= floor).sum())
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(
         prog="python -m uag.harness.screen_width", description=__doc__.splitlines()[0]
     )
@@ -130,7 +131,8 @@ def main() -> None:
         prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
         hidden = decode_hidden(pair, prompts, tokens=args.tokens)
     except UagError as err:
-        raise SystemExit(f"screen_width: {err}") from None
+        print(f"screen_width: {err}", file=sys.stderr)
+        return 2
     print(
         f"{hidden.shape[0]} decode rows ({len(prompts)} prompts of {args.prompts}, "
         f"{args.tokens} tokens each); vocabulary {pair.target_lm.vocab_size}"
@@ -138,7 +140,8 @@ def main() -> None:
     print("\n| first pass | candidates median | mean | p90 |\n|---|---|---|---|")
     for w in widths(pair, hidden):
         print(f"| {w.name} | {w.median:.0f} | {w.mean:.0f} | {w.p90} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
