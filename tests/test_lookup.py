@@ -11,7 +11,7 @@ from controllers.rules import NoDraftPolicy, StaticPolicy
 from controllers.spec import PolicySpec, parse_policy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import same_tokenizer_pair
-from uag.decoding.lookup import PromptLookup
+from uag.decoding.lookup import RECENT_OCCURRENCES, PromptLookup
 from uag.errors import UagError
 
 
@@ -80,6 +80,23 @@ def test_incremental_index_equals_the_definition():
                 ids, max_ngram=3, min_ngram=lk.min_ngram, limit=5
             ), ids
             ids = ids + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_every_earlier_occurrence_of_the_matched_tail_is_reported():
+    """``last_occurrences`` / ``last_count``: where every earlier occurrence of the matched tail
+    continued (the recent ones, oldest first, the copy's source last), by scanning."""
+    rng = random.Random(1)
+    for _ in range(40):
+        ids = [rng.randrange(4) for _ in range(rng.randrange(1, 10))]
+        lk = PromptLookup(max_ngram=3, max_tokens=(5,))
+        for _ in range(20):
+            _, n = lk.propose(ids, limit=5)
+            end = len(ids)
+            every = [p for p in range(n, end) if n and ids[p - n : p] == ids[end - n :]]
+            assert lk.last_count == len(every), ids
+            assert lk.last_occurrences == tuple(every[-RECENT_OCCURRENCES:]), ids
+            assert lk.last_source == (every[-1] if every else -1)
+            ids = ids + [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
 
 
 def test_shrinking_ids_and_bad_settings_are_refused():

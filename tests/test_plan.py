@@ -14,7 +14,9 @@ from training.export import export_onnx
 from training.plan import PlanData, PlanNet, copy_targets
 from uag.api import encode_prompt, render_prompt
 from uag.decoding.actions import ActionSet, Copy, Draft, Step, copy_lookup
-from uag.decoding.plan_features import PLAN_FEATURE_NAMES, PLAN_SCHEMA_VERSION
+from uag.decoding.drafters import Match
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan_features import PLAN_FEATURE_NAMES, PLAN_SCHEMA_VERSION, occurrence_features
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.speculative import speculate, target_alone
 from uag.errors import UagError
@@ -317,3 +319,28 @@ def test_cached_prices_equal_each_action_priced_on_its_own():
             else:
                 want = action_price(PROFILE, candidates=0, draft_steps=0, lag=0)
             assert got[i] == want, (a, match, lag, ratio)
+
+
+def test_occurrence_features_read_how_settled_the_matched_pattern_is():
+    """The tail ``(1,)`` occurred three times before, followed by 2, 3 and 2; the copy follows
+    the latest (2). The occurrence whose context agrees furthest back ("7 1" against the
+    present "7 1") was followed by 3: the pattern is not settled, and the features say so."""
+    #      0  1  2  3  4  5  6  7  8  9
+    ids = [7, 1, 3, 5, 1, 2, 9, 1, 2, 7, 1]
+    lookup = PromptLookup(max_ngram=1, max_tokens=(3,))
+    copy, n = lookup.propose(ids, limit=3)
+    assert (copy, n) == ([2, 7, 1], 1)
+    match = Match(
+        copy,
+        ngram=n,
+        source=lookup.last_source,
+        occurrences=lookup.last_occurrences,
+        count=lookup.last_count,
+    )
+    assert match.occurrences == (2, 5, 8)
+    count, agree, best_context, best_agrees = occurrence_features(ids, match)
+    assert count == pytest.approx(np.log1p(3))
+    assert agree == pytest.approx(2 / 3)  # two of three were followed by the copy's 2
+    assert best_context == pytest.approx(np.log1p(2))  # "7 1" agrees with the present "7 1"
+    assert best_agrees == 0.0  # ...and was followed by 3, not the copy's 2
+    assert occurrence_features(ids, Match([])) == (0.0, 0.0, 0.0, 0.0)

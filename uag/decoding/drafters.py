@@ -46,6 +46,11 @@ class Match:
     """Length of the matched tail (0: none): a longer match predicts a longer right copy."""
     source: int = -1
     """Position in the target's ids where the continuation began (-1: none)."""
+    occurrences: tuple[int, ...] = ()
+    """Where the matched tail's recent earlier occurrences continued, oldest first (``source``
+    last): the plan reads whether they agree with the copy."""
+    count: int = 0
+    """How many earlier occurrences the matched tail has."""
 
 
 class LookupDrafter:
@@ -80,7 +85,13 @@ class LookupDrafter:
                     session.target.ids, limit=min(room - 1, MAX_CANDIDATES)
                 )
                 if ids:
-                    found = Match(ids, ngram=ngram, source=self.lookup.last_source)
+                    found = Match(
+                        ids,
+                        ngram=ngram,
+                        source=self.lookup.last_source,
+                        occurrences=self.lookup.last_occurrences,
+                        count=self.lookup.last_count,
+                    )
             self._match = (at, found)
         return self._match[1]
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+RECENT_OCCURRENCES = 16
+"""Earlier occurrences of the matched tail a proposal reports (``last_occurrences``)."""
+
 
 @dataclass
 class PromptLookup:
@@ -40,11 +43,16 @@ class PromptLookup:
     max_ngram: int = 4
     min_ngram: int = 1
     max_tokens: tuple[int, ...] = (3, 5, 11)
-    _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, repr=False)
+    _index: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list, repr=False)
     _indexed: int = field(default=0, repr=False)
     last_source: int = field(default=-1, repr=False)
     """Where the last proposal's continuation began in the ids (-1: no match): a round's plan
     reads whether the copy comes from the prompt or the output, and from how far back."""
+    last_occurrences: tuple[int, ...] = field(default=(), repr=False)
+    """Where the matched tail's last ``RECENT_OCCURRENCES`` earlier occurrences continued,
+    oldest first (``last_source`` is the last): whether they agree predicts the copy's run."""
+    last_count: int = field(default=0, repr=False)
+    """How many earlier occurrences the matched tail has (all of them)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -60,12 +68,13 @@ class PromptLookup:
         self._indexed = 0
 
     def _update(self, ids: list[int]) -> None:
-        """Index every position ``p < len(ids)`` under the n-grams that end just before it."""
+        """Index every position ``p < len(ids)`` under the n-grams that end just before it
+        (every occurrence, in order: the last is the copy's source)."""
         if len(ids) < self._indexed:
             raise ValueError("the ids shrank since the last proposal: reset() for a new sequence")
         for p in range(self._indexed, len(ids)):
             for n in range(1, min(self.max_ngram, p) + 1):
-                self._index[n][tuple(ids[p - n : p])] = p
+                self._index[n].setdefault(tuple(ids[p - n : p]), []).append(p)
         self._indexed = len(ids)
 
     def propose(self, ids: list[int], *, limit: int) -> tuple[list[int], int]:
@@ -77,19 +86,22 @@ class PromptLookup:
         proposes its whole period again), as the text would if the pattern held.
         """
         self._update(ids)
-        self.last_source = -1
+        self.last_source, self.last_occurrences, self.last_count = -1, (), 0
         if limit < 1:
             return [], 0
         end = len(ids)
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-            start = self._index[n].get(tuple(ids[end - n :]))
-            if start is None:
+            found = self._index[n].get(tuple(ids[end - n :]))
+            if found is None:
                 continue
+            start = found[-1]
             want = min(limit, self.max_tokens[min(n, len(self.max_tokens)) - 1])
             out: list[int] = []
             for i in range(want):
                 j = start + i
                 out.append(ids[j] if j < end else out[j - end])
             self.last_source = start
+            self.last_occurrences = tuple(found[-RECENT_OCCURRENCES:])
+            self.last_count = len(found)
             return out, n
         return [], 0

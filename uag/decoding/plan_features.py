@@ -26,7 +26,7 @@ from uag.decoding.drafters import Match
 from uag.decoding.features import repeat_length
 from uag.decoding.round import IterationRecord, Session
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 PLAN_META = "plan-meta.json"
 """The file a ``uag collect --plan`` directory is recognised by (collect writes, training reads)."""
 CONTEXT = 64
@@ -42,6 +42,10 @@ PLAN_FEATURE_NAMES: tuple[str, ...] = (
     "match_in_prompt",  # the continuation comes from the prompt (1) or the output (0)
     "match_distance",  # log1p of how far back it began: a loop repeats from close by
     "match_context",  # log1p of the tokens before the match that also agree (up to 64)
+    "match_count",  # log1p of the matched tail's earlier occurrences: a pattern seen often
+    "match_agree",  # share of its recent occurrences followed by the copy's first token
+    "best_context",  # log1p of the longest agreeing context among those occurrences (up to 64)
+    "best_agrees",  # the occurrence with that longest context is followed by the copy's token
     "copy_newline",  # the first copied token holds a line break
     "copy_space",  # the first copied token is whitespace only
     "copy_digit",  # the first copied token holds a digit (numbers are hard to copy right)
@@ -126,6 +130,29 @@ def match_context(ids: Sequence[int], source: int, *, limit: int = CONTEXT) -> i
     return n
 
 
+def occurrence_features(ids: Sequence[int], match: Match) -> tuple[float, float, float, float]:
+    """``match_count``, ``match_agree``, ``best_context``, ``best_agrees`` for ``match``.
+
+    Why: the copy follows the tail's *latest* occurrence; whether the tail's other occurrences
+    were followed by the same token, and whether the one whose context agrees furthest back
+    was, says how settled the pattern is. On 30 held-out prompts (exact copy runs from
+    target-alone records, 128 tokens) these four lifted a survival model's AUC for "the first
+    copied token is right" from 0.87 to 0.94 and its simulated copy plan from 2.08x to 2.14x
+    (lookup's table: 1.97x); the target's own probability and entropy added nothing there."""
+    if not match.ids or not match.occurrences:
+        return 0.0, 0.0, 0.0, 0.0
+    first = match.ids[0]
+    follows = [ids[p] == first for p in match.occurrences]
+    contexts = [match_context(ids, p) for p in match.occurrences]
+    best = max(range(len(contexts)), key=lambda i: (contexts[i], i))  # latest on a tie
+    return (
+        math.log1p(match.count),
+        sum(follows) / len(follows),
+        math.log1p(contexts[best]),
+        float(follows[best]),
+    )
+
+
 def temperature_of(session: Session) -> float:
     """The sampling temperature the session verifies at (0.0: greedy)."""
     sampling = getattr(session.verifier, "sampling", None)
@@ -160,12 +187,14 @@ def plan_row(
     first = _first_copied(session, match)
     text = prompt_bytes + session.text
     tail = session.text[-1:] if session.text else prompt_bytes[-1:]
+    ids = session.target.ids
     row = (
         match.ngram,
         len(match.ids),
         float(0 <= match.source < session.start),
         math.log1p(total - match.source) if match.source >= 0 else 0.0,
-        math.log1p(match_context(session.target.ids, match.source)) if match.source > 0 else 0.0,
+        math.log1p(match_context(ids, match.source)) if match.source > 0 else 0.0,
+        *occurrence_features(ids, match),
         float("\n" in first),
         float(bool(first) and first.isspace()),
         float(any(c.isdigit() for c in first)),
