@@ -57,11 +57,20 @@ def test_report_defaults_to_this_process_and_never_fails_on_git(tmp_path, monkey
 def test_the_learned_arm_is_compared_with_every_fixed_arm_paired_by_prompt():
     """learned against each measured arm but target-only and the simulated ones: the ratio of
     their times and a paired interval over prompts that contains it (and lies above 1 when
-    learned is faster on every prompt)."""
+    learned is faster on every prompt): tokens per second, the time ratio when the tokens agree."""
     per_prompt = {"target-only": [2.0, 4.0, 3.0, 5.0], "lookup": [1.2, 2.2, 1.8, 3.0]}
     per_prompt["learned"] = [t / 1.1 for t in per_prompt["lookup"]]
+    tokens = [128, 100, 128, 64]
     arms = [
-        PolicyResult(name, runs=4, identical_runs=4, seconds=sum(s), per_prompt_seconds=s)
+        PolicyResult(
+            name,
+            runs=4,
+            identical_runs=4,
+            seconds=sum(s),
+            per_prompt_seconds=s,
+            tokens=sum(tokens),
+            per_prompt_tokens=tokens,
+        )
         for name, s in per_prompt.items()
     ]
     oracle = PolicyResult("oracle-plan", simulated=True, speedup_vs_target=2.5)
@@ -71,3 +80,25 @@ def test_the_learned_arm_is_compared_with_every_fixed_arm_paired_by_prompt():
     assert abs(ratio - 1.1) < 1e-9 and low > 1.0 and low - 1e-9 <= ratio <= high + 1e-9
     assert report.to_json()["learned_vs_fixed"][0]["vs"] == "lookup"
     assert "| learned | lookup | 1.100x |" in report.markdown()
+
+
+def test_a_sampled_arm_that_emits_fewer_tokens_is_not_counted_faster():
+    """Sampled runs of one prompt differ in length: the comparison is tokens per second. An arm
+    as fast per token as lookup whose runs drew an end-of-sequence earlier takes less time yet
+    compares at 1.0x (a time ratio would call it 1.25x)."""
+    seconds = {"lookup": [2.0, 4.0, 3.0], "learned": [1.6, 3.2, 2.4]}
+    tokens = {"lookup": [100, 120, 110], "learned": [80, 96, 88]}
+    arms = [
+        PolicyResult(
+            name,
+            runs=3,
+            seconds=sum(seconds[name]),
+            per_prompt_seconds=seconds[name],
+            tokens=sum(tokens[name]),
+            per_prompt_tokens=tokens[name],
+        )
+        for name in ("lookup", "learned")
+    ]
+    report = BenchReport(policies=arms, machine="test", prompts=3, config={})
+    [(_, _, ratio, (low, high))] = report.comparisons()
+    assert abs(ratio - 1.0) < 1e-9 and abs(low - 1.0) < 1e-9 and abs(high - 1.0) < 1e-9

@@ -383,6 +383,10 @@ def test_bootstrap_interval_is_paired_by_prompt():
     low, high = bootstrap_interval(base, arm)
     assert low < sum(base) / sum(arm) < high
     assert (low, high) == bootstrap_interval(base, arm)
+    # Tokens per second: an arm twice as fast per token that emitted half the tokens is 2x.
+    assert bootstrap_interval(
+        [2.0, 8.0], [0.5, 2.0], base_tokens=[100, 200], arm_tokens=[50, 100]
+    ) == (2.0, 2.0)
 
 
 def test_foreign_pair_device_or_decoding_is_named(tmp_path, capsys):

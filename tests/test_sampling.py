@@ -17,9 +17,11 @@ from uag.decoding.lookup import PromptLookup
 from uag.decoding.round import LoopOutput
 from uag.decoding.sampling import (
     PointQ,
+    PositionDraws,
     SamplingConfig,
     expected_acceptance,
     processed_probs,
+    uniform,
     verify_draft,
 )
 from uag.decoding.speculative import speculate, target_alone
@@ -84,7 +86,9 @@ def _sample_two(rule, seed: int, n: int) -> tuple[dict, dict[tuple, float]]:
         def p_row(i: int, draft: list[int] = draft) -> torch.Tensor:
             return p1 if i == 0 else p2[draft[0]] if i == 1 else p2[draft[1]]
 
-        emitted, _ = rule(draft=draft, q_rows=[q1, q2[d1]], p_row=p_row, gen=gen)
+        emitted, _ = rule(
+            draft=draft, q_rows=[q1, q2[d1]], p_row=p_row, gen=gen, own=lambda i: uniform(gen)
+        )
         if len(emitted) == 1:  # rejected at once: the second token comes from p2 (the target)
             emitted = [emitted[0], int(torch.multinomial(p2[emitted[0]], 1, generator=gen))]
         key = (emitted[0], emitted[1])
@@ -100,10 +104,14 @@ def test_verify_draft_reproduces_the_target_distribution():
 
 
 def test_a_broken_acceptance_rule_fails_the_same_test():
-    def accept_by_target_only(*, draft, q_rows, p_row, gen):
+    def accept_by_target_only(*, draft, q_rows, p_row, gen, own):
         # The classic mistake: accept with probability p (as if q were uniform / ignored).
         return verify_draft(
-            draft=draft, q_rows=[p_row(i) for i in range(len(draft))], p_row=p_row, gen=gen
+            draft=draft,
+            q_rows=[p_row(i) for i in range(len(draft))],
+            p_row=p_row,
+            gen=gen,
+            own=own,
         )
 
     counts, expected = _sample_two(accept_by_target_only, 0, 20_000)
@@ -117,13 +125,17 @@ def _sample_copied(rule, seed: int, n: int) -> tuple[dict, dict[tuple, float]]:
     gen = torch.Generator().manual_seed(seed + 1)
     d1, d2 = int(p1.argmax()), int(p2[int(p1.argmax())].argmin())  # one likely, one unlikely
     counts: dict[tuple, int] = {}
-    for _ in range(n):
+    for trial in range(n):
 
         def p_row(i: int) -> torch.Tensor:
             return p1 if i == 0 else p2[d1] if i == 1 else p2[d2]
 
-        emitted, _ = rule(
-            draft=[d1, d2], q_rows=[PointQ(d1, 8), PointQ(d2, 8)], p_row=p_row, gen=gen
+        emitted, _ = rule(  # a copy is checked against its position's own keyed draw
+            draft=[d1, d2],
+            q_rows=[PointQ(d1, 8), PointQ(d2, 8)],
+            p_row=p_row,
+            gen=gen,
+            own=PositionDraws(seed * 1_000_003 + trial),
         )
         if len(emitted) == 1:
             emitted = [emitted[0], int(torch.multinomial(p2[emitted[0]], 1, generator=gen))]
@@ -137,9 +149,13 @@ def test_a_copied_draft_keeps_the_target_distribution():
     """A copied token is kept with probability p (q puts all its mass on it) and a rejection
     samples p without it: the emitted tokens follow p. Accepting copies outright fails."""
 
-    def accept_copies(*, draft, q_rows, p_row, gen):
+    def accept_copies(*, draft, q_rows, p_row, gen, own):
         return verify_draft(
-            draft=draft, q_rows=[p_row(i) for i in range(len(draft))], p_row=p_row, gen=gen
+            draft=draft,
+            q_rows=[p_row(i) for i in range(len(draft))],
+            p_row=p_row,
+            gen=gen,
+            own=own,
         )
 
     for seed in (0, 1):
@@ -163,7 +179,9 @@ def _soft_vs_outcome(label) -> list[tuple[float, float, float]]:
         def p_row(i: int, d1: int = d1) -> torch.Tensor:
             return p1 if i == 0 else p2[d1]
 
-        _, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=gen)
+        _, accepted = verify_draft(
+            draft=draft, q_rows=q_rows, p_row=p_row, gen=gen, own=lambda i: uniform(gen)
+        )
         soft = label(draft, q_rows, p_row)
         for i in range(2):
             rows[i].append((float(accepted > i), soft[i]))
@@ -469,3 +487,35 @@ def test_target_only_sampling_is_reproducible_and_seeded(tokenizers):
         sampling=SamplingConfig(temperature=1.0, seed=6),
     ).ids  # fmt: skip
     assert other != runs[0]
+
+
+def test_copies_and_steps_emit_target_alone_sampling_token_for_token():
+    """Each position's own sample is keyed by (seed, position) (``PositionDraws``), and a copy
+    is kept when it equals that sample: a run whose rounds only copy (prompt lookup) and step
+    emits what target-alone sampling emits with the same seed, rejections included. With the
+    classic stream-drawn coin (accept with ``p(token)``, resample from the residual) this
+    fails: the same law, but other tokens."""
+    pair = toy_pair(ascii_only=True)
+    prompt_t, prompt_a = encode_prompt(pair, "ab ab")
+    lm = pair.target_lm
+    for _ in range(30):  # end in the toy target's own loop: lookup finds matches
+        lm.reset(prompt_t, rollback=False)
+        prompt_t = [*prompt_t, lm.greedy(lm.forward()[-1:]).ids[0]]
+    prompt_a = encode_prompt(pair, pair.target.tokenizer.decode(prompt_t[1:]))[1]
+    copied = accepted = 0
+    for seed in range(12):
+        cfg = SamplingConfig(temperature=1.0, top_k=4, seed=seed)
+        alone = target_alone(
+            target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t,
+            max_new_tokens=24, sampling=cfg,
+        ).ids  # fmt: skip
+        out = speculate(
+            target=pair.target_lm, assistant=pair.assistant_lm, bridge=pair.bridge,
+            intersection=pair.intersection(), target_eos=frozenset(), assistant_eos=frozenset(),
+            prompt_target_ids=prompt_t, prompt_assistant_ids=prompt_a, policy=NoDraftPolicy(),
+            max_new_tokens=24, sampling=cfg, lookup=PromptLookup(),
+        )  # fmt: skip
+        assert out.ids == alone, seed
+        copied += sum(r.candidates for r in out.iterations if r.lookup)
+        accepted += sum(r.accepted_candidates for r in out.iterations if r.lookup)
+    assert 0 < accepted < copied  # copies kept and copies rejected, both on the identity

@@ -31,6 +31,7 @@ from uag.decoding.sampling import (
     TargetQ,
     categorical,
     processed_probs,
+    uniform,
 )
 from uag.decoding.stopwatch import Stopwatch
 from uag.runtime.runner import CachedLM
@@ -215,7 +216,7 @@ class SampledDraft:
         q = among.restrict(processed_probs(logits, self.sampling)[0])
         if q is None:
             return None
-        aid = categorical(q, self.gen)
+        aid = categorical(q, uniform(self.gen))
         top = torch.topk(q, 2).values
         return Pick(
             token=aid,

@@ -19,10 +19,21 @@ Processing (``SamplingConfig``): temperature, then top-k, then top-p, as Transfo
 warpers; target-alone sampling (``speculative.target_alone``) and verification use the same
 ``processed_probs`` on the same logits (``CachedLM.full_logits``), so "the target's
 distribution" is one definition, not two.
+
+Randomness (``SamplingConfig.streams``): a *position's own sample* of the target's distribution
+(target-alone sampling, a plain step, the bonus token, and the check of a copied candidate)
+inverts the CDF at a uniform keyed by the seed and the token's position (``PositionDraws``), not
+at the next draw of a stream. A copied candidate is then accepted exactly when it equals that
+sample, and a rejection emits the sample: the same law as ``min(1, p/q)`` with a point-mass ``q``
+(accept with ``p(token)``, else ``p`` without it), but a run whose rounds are copies and steps
+emits token for token what target-alone sampling emits with the same seed. Every such run is a
+checkable identity, and a benchmark compares arms on the same text. The assistant's drafts
+keep the stream (``torch.Generator``) and the TLI rule.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,10 +72,30 @@ class SamplingConfig:
         ):
             raise UagError(f"seed must be an integer, got {self.seed!r}")
 
-    def generator(self) -> torch.Generator:
-        """The run's random stream: every uniform and every categorical draw comes from it."""
+    def streams(self) -> tuple[torch.Generator, PositionDraws]:
+        """The run's randomness from one seed (None: a fresh random one): the stream the
+        assistant's drafts and the TLI rule draw from, and each position's own uniform."""
         seed = self.seed if self.seed is not None else secrets.randbits(63)
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator().manual_seed(seed), PositionDraws(seed)
+
+
+@dataclass(frozen=True)
+class PositionDraws:
+    """The uniform that target position ``t``'s own sample inverts the CDF at: a hash of
+    (seed, ``t``), so it is the same whichever arm reaches ``t`` and however many draws the
+    rounds before took (module docstring). Each position is decided once, so its uniform is
+    used once and is independent of every earlier token and of the drafts."""
+
+    seed: int
+
+    def __call__(self, position: int) -> float:
+        digest = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+def uniform(gen: torch.Generator) -> float:
+    """The stream's next uniform in [0, 1)."""
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
 def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -88,8 +119,9 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs
 
 
-def categorical(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """One draw from ``probs`` (``[V]``, summing to ~1): inverse CDF over the support.
+def categorical(probs: torch.Tensor, u: float) -> int:
+    """The draw from ``probs`` (``[V]``, summing to ~1) at uniform ``u``: inverse CDF over the
+    support.
 
     ``torch.multinomial`` took ~9 ms on a 262k-entry float64 vector; this takes ~0.4 ms. The
     cumulative sum runs over every entry: adding a zero changes no partial sum, so the first
@@ -97,8 +129,8 @@ def categorical(probs: torch.Tensor, gen: torch.Generator) -> int:
     draw is the one a sum over the support alone gives (it needed a ``nonzero`` pass).
     """
     cdf = probs.cumsum(0)
-    u = torch.rand(1, generator=gen, dtype=cdf.dtype) * cdf[-1]
-    pick = int(torch.searchsorted(cdf, u, right=True))
+    at = torch.tensor([u], dtype=cdf.dtype) * cdf[-1]
+    pick = int(torch.searchsorted(cdf, at, right=True))
     if pick >= probs.numel():  # u rounded up to the total: the last entry with mass
         pick = int(probs.nonzero()[-1])
     return pick
@@ -311,26 +343,36 @@ def verify_draft(
     q_rows: Sequence[torch.Tensor | TargetQ],
     p_row: Callable[[int], torch.Tensor],
     gen: torch.Generator,
+    own: Callable[[int], float],
 ) -> tuple[list[int], int]:
     """Speculative sampling's accept/resample rule: ``(emitted target ids, accepted count)``.
 
     ``draft[i]`` was sampled from ``q_rows[i]`` (over the target vocabulary); ``p_row(i)`` is the
     target's processed distribution after the first ``i`` draft tokens (only the rows reached
-    are asked for). Draft token i is kept with probability ``min(1, p/q)``; the first rejection
-    emits a sample of ``max(p − q, 0)`` normalised, and a fully accepted draft a bonus sample of
-    ``p``. Each emitted token is then distributed exactly as ``p`` (Leviathan et al., 2023).
+    are asked for); ``own(i)`` is row ``i``'s position uniform (``PositionDraws``). An assistant's
+    draft token i is kept with probability ``min(1, p/q)`` (a ``gen`` coin); the first rejection
+    emits a sample of ``max(p − q, 0)`` normalised. A copied token (``PointQ``) is kept when it
+    equals the row's own sample of ``p`` and else that sample is emitted: the same law as
+    ``min(1, p/q)`` with all of ``q`` on it. A fully accepted draft emits the next row's own
+    sample of ``p``. Each emitted token is then distributed exactly as ``p`` (Leviathan et al.,
+    2023).
     """
     for i, tok in enumerate(draft):
         p, q = p_row(i), q_rows[i]
+        if isinstance(q, PointQ):
+            mine = categorical(p, own(i))
+            if mine == tok:
+                continue
+            return [*draft[:i], mine], i
         ratio = float(p[tok]) / _mass(q, tok)
-        if ratio >= 1.0 or float(torch.rand((), generator=gen, dtype=torch.float64)) < ratio:
+        if ratio >= 1.0 or uniform(gen) < ratio:
             continue
         residual = (p - _dense(q)).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p ≤ q everywhere yet p[tok] < q[tok]: only rounding
             residual = p
-        fix = categorical(residual, gen)
+        fix = categorical(residual, uniform(gen))
         return [*draft[:i], fix], i
-    bonus = categorical(p_row(len(draft)), gen)
+    bonus = categorical(p_row(len(draft)), own(len(draft)))
     return [*draft, bonus], len(draft)
 
 

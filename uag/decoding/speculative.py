@@ -68,10 +68,13 @@ def target_alone(
             return target.greedy(hidden).ids[0]
 
     else:
-        gen, cfg = sampling.generator(), sampling
+        _, own = sampling.streams()
+        cfg = sampling
 
-        def next_token(hidden: torch.Tensor) -> int:
-            return categorical(processed_probs(target.full_logits(hidden), cfg)[0], gen)
+        def next_token(hidden: torch.Tensor) -> int:  # the token at position len(target.ids)
+            return categorical(
+                processed_probs(target.full_logits(hidden), cfg)[0], own(len(target.ids))
+            )
 
     return target_only_loop(
         target=target,
@@ -120,8 +123,9 @@ def speculate(
     else:
         if intersection is None:
             raise ValueError("speculative sampling needs the pair's intersection")
-        gen = sampling.generator()  # one stream: each round the drafts' draws, then the verify's
-        verifier = SamplingVerifier(sampling=sampling, gen=gen)
+        # the drafts' draws and the TLI coins from one stream; each position's own sample keyed
+        gen, own = sampling.streams()
+        verifier = SamplingVerifier(sampling=sampling, gen=gen, own=own)
         draw = SampledDraft(intersection=intersection, sampling=sampling, gen=gen)
     session = Session(
         target=target,

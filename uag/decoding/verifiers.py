@@ -13,6 +13,7 @@ import torch
 from uag.decoding.round import Proposal, Session, Verdict
 from uag.decoding.sampling import (
     PointQ,
+    PositionDraws,
     ProcessedRows,
     SamplingConfig,
     TargetQ,
@@ -137,10 +138,14 @@ def _recompute_alone(target: CachedLM, *, row: int, base: int) -> HeadOutput:
 class SamplingVerifier:
     """Speculative sampling's accept/resample rule (``uag.decoding.sampling.verify_draft``) on
     the target's processed distribution: every emitted token is distributed as the target's
-    own. A copied candidate is a point mass (accepted with probability ``p(token)``)."""
+    own. A copied candidate is a point mass, kept when it equals its position's own sample
+    (``PositionDraws``): a run of copies and steps emits what target-alone sampling emits with
+    the same seed."""
 
-    def __init__(self, *, sampling: SamplingConfig, gen: torch.Generator) -> None:
-        self.sampling, self.gen = sampling, gen
+    def __init__(
+        self, *, sampling: SamplingConfig, gen: torch.Generator, own: PositionDraws
+    ) -> None:
+        self.sampling, self.gen, self.own = sampling, gen, own
 
     def reset(self) -> None:
         pass
@@ -156,7 +161,13 @@ class SamplingVerifier:
             if proposal.q_rows is not None
             else [PointQ(t, target.vocab_size) for t in draft]
         )
-        emitted, accepted = verify_draft(draft=draft, q_rows=q_rows, p_row=p_row, gen=self.gen)
+        emitted, accepted = verify_draft(
+            draft=draft,
+            q_rows=q_rows,
+            p_row=p_row,
+            gen=self.gen,
+            own=lambda i: self.own(base + i),  # row i decides the token at position base + i
+        )
         soft: tuple[float, ...] = ()
         rates: tuple[float, ...] = ()
         if session.keep_steps and proposal.q_rows is not None:

@@ -130,6 +130,9 @@ class PolicyResult:
     speedup_vs_target: float = 0.0
     per_prompt_seconds: list[float] = field(default_factory=list)
     """Seconds per prompt (all its repeats): what the paired ratios and the interval use."""
+    per_prompt_tokens: list[int] = field(default_factory=list)
+    """Tokens per prompt (all its repeats): sampled runs of one prompt differ in length (an
+    end-of-sequence drawn early), so speed is tokens per second, not time per run."""
     interval: tuple[float, float] | None = None
     """95 % bootstrap interval of ``speedup_vs_target`` over prompts (None: simulated)."""
     logprobs: list[float] = field(default_factory=list)
@@ -176,6 +179,8 @@ class PolicyResult:
             "speedup_vs_target": round(self.speedup_vs_target, 4),
             "speedup_interval_95": [round(v, 4) for v in self.interval] if self.interval else None,
             "identical": self.identical if not (self.simulated or sampled) else None,
+            # sampling: runs equal to target-only's of the same seed (copies and steps only)
+            "identical_runs": self.identical_runs if sampled else None,
             "same_distribution": self.check.consistent if self.check is not None else None,
             "mean_logprob": round(statistics.fmean(self.logprobs), 4) if self.logprobs else None,
             "logprob_diff_vs_target": _diff_row(self.check),
@@ -254,7 +259,8 @@ def _check_cell(p: PolicyResult) -> str:
         return "**NO** (samples the target cannot produce)"
     low, high = c.interval
     verdict = "yes" if p.sound else "**NO**"
-    return f"{verdict} (Δ {c.mean:+.3f} [{low:+.3f}, {high:+.3f}]; {pit})"
+    same = f"{p.identical_runs}/{p.runs} runs target-only's tokens"
+    return f"{verdict} (Δ {c.mean:+.3f} [{low:+.3f}, {high:+.3f}]; {pit}; {same})"
 
 
 @dataclass
@@ -268,15 +274,21 @@ class BenchReport:
 
     def comparisons(self) -> list[tuple[str, str, float, tuple[float, float]]]:
         """Each learned arm against every other measured arm but target-only: (learned,
-        other, time ratio other / learned, its 95 % paired bootstrap interval over prompts)."""
+        other, tokens-per-second ratio learned / other, its 95 % paired bootstrap interval over
+        prompts). Greedy arms emit the same tokens, so it is the time ratio other / learned."""
         measured = [p for p in self.policies if not p.simulated and p.seconds]
         out = []
         for mine in (p for p in measured if p.name.startswith("learned")):
             for other in measured:
                 if other is mine or other.name == "target-only" or other.name.startswith("learned"):
                     continue
-                ratio = other.seconds / mine.seconds
-                interval = bootstrap_interval(other.per_prompt_seconds, mine.per_prompt_seconds)
+                ratio = rate_ratio(mine, other)
+                interval = bootstrap_interval(
+                    other.per_prompt_seconds,
+                    mine.per_prompt_seconds,
+                    base_tokens=other.per_prompt_tokens,
+                    arm_tokens=mine.per_prompt_tokens,
+                )
                 out.append((mine.name, other.name, ratio, interval))
         return out
 
@@ -338,7 +350,7 @@ class BenchReport:
         if pairs:
             lines += [
                 "",
-                "| learned arm | vs | speed-up (time of the other / learned's) | 95 % interval (paired by prompt) |",
+                "| learned arm | vs | speed-up (learned's tokens/s / the other's) | 95 % interval (paired by prompt) |",
                 "|---|---|---|---|",
             ]
             lines += [
@@ -364,17 +376,36 @@ def rotated(names: list[str], shift: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def rate_ratio(arm: PolicyResult, base: PolicyResult) -> float:
+    """``arm``'s tokens per second over ``base``'s, over all their runs."""
+    if not arm.seconds or not base.seconds or not base.tokens:
+        return 0.0
+    return (arm.tokens / arm.seconds) / (base.tokens / base.seconds)
+
+
 def bootstrap_interval(
-    base: list[float], arm: list[float], *, resamples: int = 2000, seed: int = 0
+    base: list[float],
+    arm: list[float],
+    *,
+    base_tokens: list[int] | None = None,
+    arm_tokens: list[int] | None = None,
+    resamples: int = 2000,
+    seed: int = 0,
 ) -> tuple[float, float]:
-    """95 % percentile interval of ``sum(base) / sum(arm)`` when prompts are resampled.
+    """95 % percentile interval of the arm's tokens per second over the base's,
+    ``(Σ arm_tokens / Σ arm) / (Σ base_tokens / Σ base)``, when prompts are resampled (no
+    token counts: the same tokens, so ``sum(base) / sum(arm)``).
 
     Paired by prompt: a resample keeps each prompt's two times together, so the spread is the
     prompts' disagreement about the ratio, not how much longer some prompts are than others.
     """
     b, a = np.asarray(base, dtype=float), np.asarray(arm, dtype=float)
+    tb = np.ones_like(b) if base_tokens is None else np.asarray(base_tokens, dtype=float)
+    ta = tb if arm_tokens is None else np.asarray(arm_tokens, dtype=float)
     pick = np.random.default_rng(seed).integers(0, len(b), size=(resamples, len(b)))
-    ratios = b[pick].sum(axis=1) / a[pick].sum(axis=1)
+    ratios = (ta[pick].sum(axis=1) / a[pick].sum(axis=1)) / (
+        tb[pick].sum(axis=1) / b[pick].sum(axis=1)
+    )
     low, high = np.percentile(ratios, [2.5, 97.5])
     return float(low), float(high)
 
@@ -771,6 +802,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     for prompt in prompts:
         for res in results.values():
             res.per_prompt_seconds.append(0.0)
+            res.per_prompt_tokens.append(0)
         for _ in range(cfg.repeats):
             runs: dict[str, ArmRun] = {}
             seed = None if seed0 is None else seed0 + rounds  # the same for every arm
@@ -792,6 +824,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             for name, run in runs.items():
                 res = results[name]
                 res.per_prompt_seconds[-1] += run.seconds
+                res.per_prompt_tokens[-1] += len(run.ids)
                 res.seconds += run.seconds
                 res.tokens += len(run.ids)
                 res.target_forwards += run.target_forwards
@@ -808,9 +841,14 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     bar.close()
     base = results["target-only"]
     for res in results.values():
-        res.speedup_vs_target = base.seconds / res.seconds if res.seconds else 0.0
+        res.speedup_vs_target = rate_ratio(res, base)
         if res.seconds:
-            res.interval = bootstrap_interval(base.per_prompt_seconds, res.per_prompt_seconds)
+            res.interval = bootstrap_interval(
+                base.per_prompt_seconds,
+                res.per_prompt_seconds,
+                base_tokens=base.per_prompt_tokens,
+                arm_tokens=res.per_prompt_tokens,
+            )
         if sampling is not None:
             res.check = paired_check(base.logprobs, res.logprobs)
             res.uniformity = uniformity_check(res.pit)
