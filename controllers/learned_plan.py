@@ -147,13 +147,17 @@ class LearnedPlan(ContractWarnings, ActionChoice):
             raise UagError("a plan controller copies from prompt lookup: run it with lookup on")
         if not session.records:
             self._prompt_bytes = session.bridge.target.bytes_of(session.prompt_ids)
+        match = self.lookup.match_info(session)
+        drafts = self.assistant is not None
+        if not match.ids and self._prices.steps and not (drafts and self._prices.drafts):
+            # Nothing to copy and no draft to choose: every action but the plain step is priced
+            # inf, so the choice is the step whatever the network says. Skipping the feature row
+            # and the network (~0.4 ms in the loop, cold after a forward) changes no choice.
+            return self.actions.actions[self._prices.steps[0]]
         row = plan_row(
-            session,
-            match=self.lookup.match_info(session),
-            state=round_state(session),
-            prompt_bytes=self._prompt_bytes,
+            session, match=match, state=round_state(session), prompt_bytes=self._prompt_bytes
         )
-        return self.decide(row, drafts=self.assistant is not None)
+        return self.decide(row, drafts=drafts)
 
     def decide(self, row: np.ndarray, *, drafts: bool) -> Action:
         """The action for a round-start feature row (``drafts``: the assistant can draft)."""

@@ -16,7 +16,13 @@ from uag.api import encode_prompt, render_prompt
 from uag.decoding.actions import ActionSet, Copy, Draft, Step, copy_lookup
 from uag.decoding.drafters import Match
 from uag.decoding.lookup import PromptLookup
-from uag.decoding.plan_features import PLAN_FEATURE_NAMES, PLAN_SCHEMA_VERSION, occurrence_features
+from uag.decoding.plan_features import (
+    PLAN_FEATURE_NAMES,
+    PLAN_SCHEMA_VERSION,
+    occurrence_features,
+    plan_row,
+    round_state,
+)
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.speculative import speculate, target_alone
 from uag.errors import UagError
@@ -204,6 +210,39 @@ def test_a_learned_plan_runs_lossless_in_the_loop(toy, tmp_path, bias):
         assert not copies, plan.taken
     assert all(isinstance(a, Step | Copy | Draft) for a in plan.taken)
     assert plan.decisions == len(out.iterations)
+
+
+class _AlwaysAsks(LearnedPlan):
+    """The plan with every round's feature row and network call, never the no-choice skip."""
+
+    def next_action(self, session):
+        if not session.records:
+            self._prompt_bytes = session.bridge.target.bytes_of(session.prompt_ids)
+        row = plan_row(
+            session,
+            match=self.lookup.match_info(session),
+            state=round_state(session),
+            prompt_bytes=self._prompt_bytes,
+        )
+        return self.decide(row, drafts=self.assistant is not None)
+
+
+def test_a_copy_or_step_plan_skips_only_rounds_with_nothing_to_copy(toy, tmp_path):
+    """A plan without drafts (the sampling plan's set) at a round with no match can only step:
+    it takes the step without asking the network, and every choice of the run is the one the
+    network-asking plan makes."""
+    _export_plan(tmp_path / "p.onnx", actions=ActionSet.standard(max_copy=4, max_draft=0))
+    prompt = "abc abc abc x7 abc abc"
+    runs = {}
+    for kind in (LearnedPlan, _AlwaysAsks):
+        plan = kind(tmp_path / "p.onnx")
+        out = _run(toy, prompt, plan, lookup=copy_lookup())
+        runs[kind] = (out.ids, list(plan.taken), plan.decisions, len(out.iterations))
+    ids, taken, decisions, rounds = runs[LearnedPlan]
+    assert (ids, taken) == runs[_AlwaysAsks][:2]
+    assert runs[_AlwaysAsks][2] == rounds  # the full plan asked every round
+    assert 0 < decisions < rounds  # rounds with a match asked; rounds with none did not
+    assert any(isinstance(a, Copy) for a in taken) and any(isinstance(a, Step) for a in taken)
 
 
 def test_a_plan_needs_lookup_that_copies_as_far_as_a_verify_allows(toy, tmp_path):
