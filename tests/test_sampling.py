@@ -519,3 +519,24 @@ def test_copies_and_steps_emit_target_alone_sampling_token_for_token():
         copied += sum(r.candidates for r in out.iterations if r.lookup)
         accepted += sum(r.accepted_candidates for r in out.iterations if r.lookup)
     assert 0 < accepted < copied  # copies kept and copies rejected, both on the identity
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.95, 0.5, 0.999999])
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.7])
+def test_top_k_sampling_touches_only_the_survivors_bitwise(top_p, temperature):
+    """The top-k path (the k-th largest found on the float32 logits, softmax and top-p on the
+    survivors alone) returns bitwise what the dense computation over the whole row returns,
+    ties at the k-th value included; and it fails when the k-th is taken one place off."""
+    from uag.decoding.sampling import _dense_probs
+
+    gen = torch.Generator().manual_seed(int(temperature * 10 + top_p * 1000))
+    logits = (torch.randn(3, 50_000, generator=gen) * 4).float()
+    logits[1, :40] = logits[1, 0]  # a tie straddling the k-th place
+    logits[2] = (logits[2] * 8).round() / 8  # many ties everywhere
+    for k in (1, 20, 64, 300):
+        cfg = SamplingConfig(temperature=temperature, top_p=top_p, top_k=k)
+        fast, dense = processed_probs(logits, cfg), _dense_probs(logits, cfg)
+        assert torch.equal(fast, dense), (k, (fast - dense).abs().max())
+    # the comparison can fail: one more survivor changes every kept probability (no top-p cut)
+    wrong = _dense_probs(logits, SamplingConfig(temperature=temperature, top_k=65))
+    assert not torch.equal(processed_probs(logits, SamplingConfig(temperature, top_k=64)), wrong)

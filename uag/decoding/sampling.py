@@ -104,7 +104,40 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     Top-k keeps every token at least as likely as the k-th (ties included), and top-p the
     smallest most-probable set whose mass reaches ``top_p`` (Transformers' rules: drop tokens
     whose ascending cumulative mass is ≤ 1 − top_p; the most probable always stays).
+
+    With top-k, only the survivors are touched after one pass over the row: the k-th largest is
+    found on the logits as given (dividing by the temperature in float64 keeps distinct float32
+    values distinct and in order, so the same tokens survive), and the survivors' softmax and
+    top-p cut are the dense computation's on the same values in the same order, so the result is
+    bitwise the dense one's (``tests/test_sampling.py``), at ~a third of its time on Gemma's
+    262,144 entries (a boolean-mask write over the whole row cost most of ~2 ms a row).
     """
+    n, vocab = logits.shape
+    if cfg.top_k is None or cfg.top_k >= vocab or cfg.temperature < _SMALLEST_TEMPERATURE:
+        return _dense_probs(logits, cfg)
+    kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1]
+    out = torch.zeros(n, vocab, dtype=torch.float64)
+    for row in range(n):
+        ids = (logits[row] >= kth[row]).nonzero()[:, 0]
+        values = torch.softmax(logits[row, ids].double() / cfg.temperature, dim=-1)
+        if cfg.top_p < 1.0:
+            cut = _sparse_nucleus(ids, values, cfg.top_p)
+            if cut is None:  # the nucleus needs every entry: the dense rule, zeros and all
+                dense = torch.zeros(vocab, dtype=torch.float64)
+                dense[ids] = values
+                out[row] = _nucleus(dense, cfg.top_p)
+                continue
+            ids, values = cut
+        out[row, ids] = values
+    return out
+
+
+_SMALLEST_TEMPERATURE = 1e-30
+"""Below it a logit divided by the temperature may overflow float64 (equal infinities would tie
+tokens that differ as float32): the dense path, which computes that tie as it is."""
+
+
+def _dense_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     x = logits.double() / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
@@ -161,6 +194,28 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     out = torch.zeros_like(probs)
     out[ids[keep]] = values[keep] / values[keep].sum()
     return out
+
+
+def _sparse_nucleus(
+    ids: torch.Tensor, values: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``_nucleus`` on a row whose only nonzero entries are ``values`` at ascending ``ids``:
+    (kept ids, renormalised mass), the entries ``_nucleus`` writes, computed on the same values
+    in the same order; None where ``_nucleus`` would need every entry of the row."""
+    top = float(values.max())
+    for ratio in NUCLEUS_RATIOS:
+        pick = values >= top * ratio
+        mass = values[pick]
+        if float(mass.sum()) >= top_p + 1e-9:
+            break
+    else:
+        return None
+    sorted_mass, order = torch.sort(mass, descending=True, stable=True)
+    kept_ids = ids[pick][order]
+    before = torch.cumsum(sorted_mass, dim=0) - sorted_mass
+    keep = before < top_p
+    keep[0] = True
+    return kept_ids[keep], sorted_mass[keep] / sorted_mass[keep].sum()
 
 
 @dataclass
