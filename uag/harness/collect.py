@@ -388,7 +388,7 @@ def collect_for_plan(cfg: CollectConfig, *, progress: bool = True) -> tuple[int,
         prompts,
         plan_cfg,
         profile=lambda: measure_pair_profile(
-            pair, max_candidates=MAX_CANDIDATES, repeats=cfg.profile_repeats
+            pair, max_candidates=MAX_CANDIDATES, repeats=cfg.profile_repeats, sampling=cfg.sampling
         ),
         encode=lambda text: api.encode_prompt(pair, api.render_prompt(pair, text, chat=cfg.chat)),
         progress=progress,

@@ -20,6 +20,7 @@ from a short real run of the loop (``measure_loop``).
 
 from __future__ import annotations
 
+import itertools
 import platform
 import statistics
 import time
@@ -32,6 +33,7 @@ import torch
 from controllers.rules import StaticPolicy
 from uag import api
 from uag.decoding.profile import PROFILE_CONTEXT, LatencyProfile
+from uag.decoding.sampling import SamplingConfig, processed_probs
 from uag.runtime.runner import CachedLM
 
 PROFILE_TEXT = (
@@ -96,8 +98,10 @@ class ProfileSampler:
         target_tokenizer: Any,
         assistant_tokenizer: Any,
         max_candidates: int,
+        sampling: SamplingConfig | None = None,
     ) -> None:
         self.target, self.assistant = target, assistant
+        self.sampling = sampling
         self.max_candidates = max_candidates
         self.target_ids = text_ids(target_tokenizer, PROFILE_CONTEXT + max_candidates + 1)
         self.assistant_ids = text_ids(assistant_tokenizer, PROFILE_CONTEXT + FEED_ROWS)
@@ -130,6 +134,15 @@ class ProfileSampler:
         t = self.target
         t.ids.extend(self.target_ids[PROFILE_CONTEXT : PROFILE_CONTEXT + m + 1])
         hidden = t.forward()
+        if self.sampling is not None:
+            # What sampling's verify computes: every row's full logits (the head read whole),
+            # the first row's processed distribution (always reached; later rows are reached
+            # per accepted token, as a target-alone step reaches one per token).
+            processed_probs(t.full_logits(hidden)[:1], self.sampling)
+            if stats:
+                self.stats_times.append(0.0)  # sampling reads no target statistics
+            t.truncate(PROFILE_CONTEXT)
+            return
         head = t.greedy(hidden)
         if stats:  # what a learned controller's round reads; target-alone decoding does not
             start = time.perf_counter()
@@ -170,7 +183,12 @@ class ProfileSampler:
             raise ValueError("no profile round has been timed yet")
         times = self.times
         draft_s = statistics.median(times["draft"])
-        verify_s = [statistics.median(times[f"verify{m}"]) for m in range(self.max_candidates + 1)]
+        medians = [statistics.median(times[f"verify{m}"]) for m in range(self.max_candidates + 1)]
+        # A pass over more rows does more work: a median under a shorter pass's is drift
+        # between the timed calls (a sampling profile measured 1 row 14.1 ms, 2 rows 13.8 ms,
+        # which priced copying one token below a plain step), so each price is at least the
+        # one before it.
+        verify_s = list(itertools.accumulate(medians, max))
         feed_row_s = (statistics.median(times["feed"]) - draft_s) / (FEED_ROWS - 1)
         return LatencyProfile(
             device=describe_device(self.target.device),
@@ -211,9 +229,13 @@ def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> Lat
     return replace(profile, round_s=round_s, catchup_s=catchup_s, catchup_lag=lag)
 
 
-def pair_sampler(pair: Any, *, max_candidates: int) -> ProfileSampler:
-    """A ``ProfileSampler`` on a loaded pair's models."""
+def pair_sampler(
+    pair: Any, *, max_candidates: int, sampling: SamplingConfig | None = None
+) -> ProfileSampler:
+    """A ``ProfileSampler`` on a loaded pair's models (``sampling``: verify and step as
+    speculative sampling computes them)."""
     return ProfileSampler(
+        sampling=sampling,
         target=pair.target_lm,
         assistant=pair.assistant_lm,
         target_tokenizer=pair.target.tokenizer,
@@ -228,12 +250,17 @@ def measure_pair_profile(
     max_candidates: int,
     repeats: int = 7,
     sampler: ProfileSampler | None = None,
+    sampling: SamplingConfig | None = None,
 ) -> LatencyProfile:
     """The full profile of a loaded pair: isolated prices (``ProfileSampler``) and the loop's
     own overheads (``measure_loop``). With ``sampler`` (slices taken earlier in the run), its
-    rounds are topped up to ``repeats`` and the prices are the medians over all of them."""
+    rounds are topped up to ``repeats`` and the prices are the medians over all of them.
+    ``sampling``: the target's prices under speculative sampling, whose verify reads the whole
+    head for every row (a greedy verify screens it): a plan priced with greedy verifies copies
+    too eagerly under sampling (measured in the loop at T 1.0: a 4-row verify 1.60x a step,
+    where greedy prices said 1.35x)."""
     if sampler is None:
-        sampler = pair_sampler(pair, max_candidates=max_candidates)
+        sampler = pair_sampler(pair, max_candidates=max_candidates, sampling=sampling)
     sampler.sample(rounds=max(repeats - sampler.rounds, 1))
     return measure_loop(pair, sampler.profile())
 
