@@ -152,7 +152,7 @@ def test_native_layers_match_the_torch_path(tokenizers, family):
     ids = torch.randint(3, vocab, (90,), generator=gen).tolist()
     # A 12-token prefill: also native (≤ 16 rows).
     feed_both_and_compare(
-        fast, torch_path, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=1e-4
+        fast, torch_path, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=3e-2
     )
     alone, chunked = one_row_vs_chunked_logits(fast, ids[:10], ids[10:60])
     assert torch.equal(alone, chunked)
@@ -361,7 +361,11 @@ def test_bad_api_input(cross):
 def test_native_layers_run_a_q4_assistant(tokenizers):
     """An assistant whose weights lie on Q4_1's grid (SmolLM2's GGUF) runs its body on ``q4.c``
     inside ``layer.c`` (kind 5): the same as the lean torch path over the same linears, and each
-    row's logits bitwise the same whatever the chunking."""
+    row's logits bitwise the same whatever the chunking. "The same" within one int8 step of an
+    activation: q4.c rounds each row to int8, and where torch's norm and layer.c's differ in the
+    last bit (AVX2 builds: torch's reductions run in another order), a value on a rounding
+    boundary moves a step (measured on a Zen 3 without AVX-512: a few rows' logits 0.005-0.009
+    apart, the rest within 3e-7)."""
     vocab = len(tokenizers[0])
     model = tiny_llama(vocab)
     gen = torch.Generator().manual_seed(5)
@@ -377,7 +381,7 @@ def test_native_layers_run_a_q4_assistant(tokenizers):
     assert fast.lean.native is not None
     ids = torch.randint(3, vocab, (90,), generator=gen).tolist()
     feed_both_and_compare(
-        fast, torch_path, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=1e-4
+        fast, torch_path, ids, prefill=12, chunks=(1, 16, 3, 9, 1, 5), reject=4, tol=3e-2
     )
     alone, chunked = one_row_vs_chunked_logits(fast, ids[:10], ids[10:60])
     assert torch.equal(alone, chunked)
