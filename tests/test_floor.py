@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from tests.tiny import cross_pair, gguf_like_gemma, noisy_copy, q8_0_like
@@ -98,3 +100,25 @@ def test_coarser_first_passes_leave_more_candidates(tokenizers):
     medians = [found[name].median for name in screen_width.ROW_FORMATS]
     means = [found[name].mean for name in screen_width.ROW_FORMATS]
     assert medians[0] >= 1 and medians == sorted(medians) and means == sorted(means)
+
+
+def test_the_layout_table_times_both_layouts_and_checks_them_equal(tokenizers):
+    """``--layout-table`` on the GGUF-like pair: both layouts loaded, a row per row count, the
+    hidden states checked bitwise equal; where exact.c runs (AVX-512 VNNI) the packed body
+    reads fewer bytes, elsewhere nothing is packed and both bodies are the same size."""
+    gemma_tok, _ = tokenizers
+    model = gguf_like_gemma(len(gemma_tok))
+
+    def load():
+        return make_pair(
+            wrap_model(model, gemma_tok, ref="layout-target"),
+            wrap_model(noisy_copy(model, scale=0.05), gemma_tok, ref="layout-assistant"),
+        )
+
+    table = floor.layout_table(load, context=12, rounds=2, max_rows=3).splitlines()
+    assert "bitwise the same: yes" in table[0]
+    assert [line.split(" | ")[0] for line in table[4:]] == ["| 1", "| 2", "| 3"]
+    found = re.match(r"body MB: int8 ([\d.]+), packed ([\d.]+) \((\d+) products packed\)", table[0])
+    assert found is not None
+    int8, packed, products = float(found[1]), float(found[2]), int(found[3])
+    assert (packed < int8) == (products > 0) and (packed == int8) == (products == 0)

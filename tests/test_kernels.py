@@ -830,17 +830,91 @@ def test_integer_products_give_the_same_bits_on_every_path_and_row_count(form):
 
 
 @needs_native
-def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(tokenizers):
+@pytest.mark.parametrize(
+    ("form", "bits"), [("q8_0", 8), ("q5_0", 5), ("q4_k", 5), ("q6_k", 6), ("k16", 4)]
+)
+def test_packed_integers_are_the_int8_layouts_bit_for_bit(form, bits, monkeypatch):
+    """``pack`` stores exact.c's integers at the fewest bits their range needs (Q5_0's at 5,
+    Q6_K's at 6, Q4_K's at 5 once halves of different bases merge; Q8_0's stay int8) and reads
+    the same integers back, so every path and row count gives the int8 layout's bits from
+    fewer bytes; with ``UAG_PACKED_BODY`` unset nothing is packed."""
+    import copy
+
+    from uag.kernels.formats import exact_integers, packed_block_bytes
+
+    linear, block, _ = _integer_form(form)
+    if form == "q5_0":  # GGUF's Q5_0 integers: -16..15 (the helper's reach 16)
+        gen = torch.Generator().manual_seed(6)
+        q = torch.randint(-16, 16, (48, 640), generator=gen).float()
+        q[:, ::32] = -16.0
+        scales = (torch.rand(48, 20, generator=gen) * 0.01 + 1e-4).half().float()
+        with torch.no_grad():
+            linear.weight.copy_(q * scales.repeat_interleave(32, dim=1))
+    int8 = native.NativeLinear(linear)
+    assert int8.to_integer(anywhere=True)
+    packed = copy.deepcopy(int8)
+    assert not packed.pack()  # off by default
+    monkeypatch.setenv("UAG_PACKED_BODY", "1")
+    assert packed.pack() == (bits < 8)
+    assert packed.x8_bits == bits
+    assert torch.equal(exact_integers(packed), int8.weight_ilv)
+    assert torch.equal(packed.dequantized(), int8.dequantized())
+    groups, blocks = linear.out_features // 16, linear.in_features // block
+    assert packed.weight_ilv.nbytes == groups * blocks * packed_block_bytes(block, bits)
+    assert packed.weight_ilv.nbytes * 8 == int8.weight_ilv.nbytes * bits
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(17, linear.in_features, generator=gen)
+    x[:, 3] *= 40.0
+    lib = packed.lib
+    try:
+        for amx, vnni in ((0, 0), (0, 1), (1, 1)):
+            lib.uag_set_amx(amx)
+            lib.uag_set_avx512vnni(vnni)
+            for m in (1, 2, 3, 5, 9, 17):
+                assert torch.equal(packed(x[:m]), int8(x[:m]))
+    finally:
+        lib.uag_set_amx(1)
+        lib.uag_set_avx512vnni(1)
+
+
+@needs_native
+def test_fuse_packs_the_joined_layer_and_its_parts_view_it(monkeypatch):
+    """Parts of different ranges (6 and 4 bits alone) are fused first and packed as one, at the
+    width the widest needs; the parts are views of the packed weight, with the same results."""
+    monkeypatch.setenv("UAG_PACKED_BODY", "1")
+    parts = [native.NativeLinear(_gguf_like_linear(32, 640, steps=s, seed=s)) for s in (16, 4)]
+    for p in parts:
+        assert p.to_integer(anywhere=True)
+    x = torch.randn(3, 640, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([p(x) for p in parts], dim=-1)
+    fused = native.fuse(parts)
+    assert fused is not None and fused.x8_bits == 6
+    assert all(p.x8_bits == 6 and p.x8_offset == fused.x8_offset for p in parts)
+    assert parts[1].weight_ilv.data_ptr() > fused.weight_ilv.data_ptr()
+    assert parts[1].weight_ilv.untyped_storage().data_ptr() == fused.weight_ilv.data_ptr()
+    assert torch.equal(fused(x), alone)
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), alone)
+
+
+@needs_native
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(
+    tokenizers, packed, monkeypatch
+):
     """A target whose layers are GGUF-like blocks runs them on exact.c (where the CPU has
-    AVX-512 VNNI): one position alone and among 1–9 give bitwise the same logits, and greedy
-    UAG at lookahead 6 is token-for-token target-alone on every nasty prompt."""
+    AVX-512 VNNI), in the int8 layout or packed: one position alone and among 1–9 give bitwise
+    the same logits, and greedy UAG at lookahead 6 is token-for-token target-alone on every
+    nasty prompt."""
     from tests.tiny import gguf_like_pair
 
+    monkeypatch.setenv("UAG_PACKED_BODY", packed)
     pair = gguf_like_pair(tokenizers, kernels="native")
     if not pair.target_lm.lean.layers[0].qkv.lib.uag_x8_available():
         pytest.skip("exact.c's fast paths (AVX-512 VNNI) unavailable here")
     for layer in pair.target_lm.lean.layers:
-        assert all(m.integer for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        products = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        assert all(m.integer for m in products)
+        assert any(m.x8_bits < 8 for m in products) == (packed == "1")
     ids = pair.target.tokenizer("def f(x):\n    return x * 2\n")["input_ids"]
     alone, chunked = one_row_vs_chunked_logits(pair.target_lm, ids[:5], ids[5:] * 3)
     assert torch.equal(alone, chunked)

@@ -19,8 +19,10 @@ bandwidth a plain reduction reaches. Used by ``python -m uag.harness.runtime_ben
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,3 +221,79 @@ def floor_table(pair: Any, *, context: int = 110, repeats: int = 7) -> str:
         for r in rows
     ]
     return "\n".join(lines)
+
+
+@torch.inference_mode()
+def layout_table(
+    load_pair: Callable[[], Any], *, context: int = 110, rounds: int = 7, max_rows: int = 9
+) -> str:
+    """The target's forward over 1..``max_rows`` rows with its body in ``exact.c``'s int8
+    layout and packed at its own bits (``UAG_PACKED_BODY``), as Markdown: both loaded in one
+    process, timed in alternating rounds (order flipped each round, so drift spreads over both),
+    the body's bytes, and whether every row's hidden state is bitwise the same in both.
+
+    Why: packing changes only the bytes read, never a result; whether it pays depends on the
+    CPU (a one-row step is bound by its bytes, a verify's extra rows by the products), so it
+    is decided by this table on the machine at hand."""
+    pairs = {}
+    before = os.environ.get("UAG_PACKED_BODY")
+    try:
+        for name, flag in (("int8", "0"), ("packed", "1")):
+            os.environ["UAG_PACKED_BODY"] = flag
+            pairs[name] = load_pair()
+    finally:
+        if before is None:
+            os.environ.pop("UAG_PACKED_BODY", None)
+        else:
+            os.environ["UAG_PACKED_BODY"] = before
+    times: dict[str, dict[int, list[float]]] = {name: {} for name in pairs}
+    for r in range(rounds):
+        for name in list(pairs)[:: 1 if r % 2 == 0 else -1]:
+            pair = pairs[name]
+            costs = measure_verify_costs(
+                pair.target_lm, pair.target.tokenizer, max_rows=max_rows, context=context,
+                repeats=1,
+            )  # fmt: skip
+            for cost in costs:
+                times[name].setdefault(cost.rows, []).append(cost.total_ms)
+    same = _same_hidden(pairs["int8"].target_lm, pairs["packed"].target_lm,
+                        pairs["int8"].target.tokenizer, context=context, max_rows=max_rows)  # fmt: skip
+    mb = 1e6
+    body = {name: slot_bytes(p.target_lm.lean.streamed()) for name, p in pairs.items()}
+    packed = sum(
+        getattr(m, "x8_bits", 8) < 8
+        for layer in pairs["packed"].target_lm.lean.layers
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
+    lines = [
+        f"body MB: int8 {body['int8'] / mb:.1f}, packed {body['packed'] / mb:.1f} "
+        f"({packed} products packed); context {context} tokens; medians of {rounds} "
+        f"alternating rounds; kernels {pairs['int8'].kernels}; hidden states of 1-{max_rows} "
+        f"rows bitwise the same: {'yes' if same else 'NO'}",
+        "",
+        "| rows | int8 ms | packed ms | packed ÷ int8 |",
+        "|---|---|---|---|",
+    ]
+    for rows in sorted(times["int8"]):
+        a = statistics.median(times["int8"][rows])
+        b = statistics.median(times["packed"][rows])
+        lines.append(f"| {rows} | {a:.2f} | {b:.2f} | {b / a:.3f} |")
+    return "\n".join(lines)
+
+
+def _same_hidden(a: Any, b: Any, tokenizer: Any, *, context: int, max_rows: int) -> bool:
+    """Whether two targets' forwards over 1..``max_rows`` rows after ``context`` tokens give
+    bitwise the same hidden states."""
+    ids = text_ids(tokenizer, context + max_rows)
+    outs = []
+    for lm in (a, b):
+        lm.reset(ids[:context], rollback=True)
+        lm.forward()
+        rows = []
+        for count in range(1, max_rows + 1):
+            lm.ids.extend(ids[context : context + count])
+            rows.append(lm.forward().clone())
+            lm.truncate(context)
+        lm.reset([], rollback=False)
+        outs.append(rows)
+    return all(torch.equal(x, y) for x, y in zip(*outs, strict=True))

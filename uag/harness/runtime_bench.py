@@ -21,7 +21,9 @@ absolute times), whether each arm's tokens equal ``uag-target``'s, and where uag
 kernels (body, head, total, ratio to one row): the price of verifying 0–8 candidates.
 ``--floor-table`` prints the bytes each step reads (body, head screening, keys and values,
 candidates), the machine's read bandwidth and each step's ratio to that floor, for the target
-(1–9 rows) and the assistant's draft step (``uag.harness.floor``).
+(1–9 rows) and the assistant's draft step (``uag.harness.floor``). ``--layout-table`` times the
+target with its body in ``exact.c``'s int8 layout against packed at its own bits, alternating
+in one process, and checks their hidden states bitwise equal.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from uag import api
 from uag.api import Pair
 from uag.decoding.policy import StopPolicy
 from uag.harness.bench import transformers_generate
-from uag.harness.floor import floor_table
+from uag.harness.floor import floor_table, layout_table
 from uag.harness.latency import measure_verify_costs
 from uag.kernels.choice import KERNEL_CHOICES
 
@@ -186,6 +188,12 @@ def main() -> None:
         action="store_true",
         help="print bytes read per step against the machine's read bandwidth and exit",
     )
+    parser.add_argument(
+        "--layout-table",
+        action="store_true",
+        help="time the target with its body in exact.c's int8 layout against packed at its own "
+        "bits (UAG_PACKED_BODY), alternating, and check the hidden states equal; then exit",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="repeats per row count (table)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     args = parser.parse_args()
@@ -194,6 +202,9 @@ def main() -> None:
         return
     if args.floor_table:
         print(floor_table(api.load_pair(kernels=args.kernels), repeats=args.repeats))
+        return
+    if args.layout_table:
+        print(layout_table(lambda: api.load_pair(kernels=args.kernels), rounds=args.repeats))
         return
     report = run(args.tasks, args.max_new_tokens, args.lookahead, args.kernels)
     print(to_markdown(report))

@@ -71,6 +71,8 @@ class Stored(Protocol):
     k_step: int
     x8_block: int
     x8_affine: bool
+    x8_bits: int
+    x8_offset: int
 
 
 @dataclass(frozen=True)
@@ -141,10 +143,67 @@ def _dequantize_q4(layer: Stored) -> torch.Tensor:
     return (p[..., 1:] + p[..., :1] * q.float()).reshape(layer.out_features, -1)
 
 
+PACKED_BITS = (4, 5, 6)
+"""The widths ``exact.c`` reads packed integers at (``pack_integers``); else int8."""
+
+
+def packed_block_bytes(block: int, bits: int) -> int:
+    """Bytes of one group's block of ``block`` inputs at ``bits`` (``exact.c``'s
+    ``packed_bytes``): the nibbles, then the high bits' planes."""
+    if bits == 8:
+        return block * X8_GROUP
+    return block * 8 + (64 if bits == 5 else 64 * (block // 16) if bits == 6 else 0)
+
+
+def pack_integers(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int] | None:
+    """``(packed uint8 [groups, K/block, bytes], bits, offset)``: ``exact.c``'s int8 layout
+    ``weight`` (``[groups, K/4, 16, 4]``) at the fewest of ``PACKED_BITS`` its range needs,
+    each value stored as ``q - offset`` (layout in ``exact.c``'s header), or None where the
+    range needs 7 or 8 bits. Why: a GGUF body's Q4_K / Q5_0 / Q6_K integers read at their
+    own width instead of a byte each; ``exact.c`` unpacks them to the same integers, so every
+    product is bitwise the int8 layout's."""
+    lo, hi = int(weight.min()), int(weight.max())
+    bits = next((b for b in PACKED_BITS if hi - lo < 1 << b), None)
+    if bits is None or block % 16:
+        return None
+    groups, quads = weight.shape[0], block // 4
+    u = (weight.to(torch.int16) - lo).to(torch.uint8).reshape(groups, -1, quads, 64)
+    nibbles = u & 15
+    parts = [(nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).flatten(2)]
+    high = u >> 4
+    if bits == 5:  # bit r: quad r's bit 4
+        parts.append(sum((high[:, :, r] << r for r in range(quads)), torch.zeros_like(u[:, :, 0])))
+    elif bits == 6:  # vector v, bits 2t and 2t + 1: quad 4v + t's bits 4 and 5
+        for v in range(quads // 4):
+            four = (high[:, :, 4 * v + t] << (2 * t) for t in range(4))
+            parts.append(sum(four, torch.zeros_like(u[:, :, 0])))
+    return torch.cat(parts, dim=-1).contiguous(), bits, lo
+
+
+def exact_integers(layer: Stored) -> torch.Tensor:
+    """``exact.c``'s integers of ``layer`` in the int8 layout ``[groups, K/4, 16, 4]``,
+    unpacked where they are packed (``exact.c``'s ``unpack_ref``, in torch)."""
+    w = layer.weight_ilv
+    if layer.x8_bits == 8:
+        return w
+    groups, blocks, quads = w.shape[0], w.shape[1], layer.x8_block // 4
+    nib = w[..., : layer.x8_block * 8].reshape(groups, blocks, quads // 2, 1, 64)
+    u = torch.cat([nib & 15, nib >> 4], dim=3).reshape(groups, blocks, quads, 64).to(torch.int16)
+    high = w[..., layer.x8_block * 8 :].to(torch.int16)
+    r = torch.arange(quads)
+    if layer.x8_bits == 5:
+        u |= ((high[:, :, None, :] >> r[:, None]) & 1) << 4
+    elif layer.x8_bits == 6:
+        planes = high.reshape(groups, blocks, quads // 4, 64)[:, :, r // 4]
+        u |= ((planes >> (2 * (r % 4))[:, None]) & 3) << 4
+    q = (u + layer.x8_offset).to(torch.int8)
+    return q.reshape(groups, blocks * quads, X8_GROUP, X8_QUAD)
+
+
 def _dequantize_exact(layer: Stored) -> torch.Tensor:
     # exact.c multiplies q · s (+ b) exactly; this rounds each to fp32
     groups = layer.weight_ilv.shape[0]
-    q = layer.weight_ilv.permute(0, 2, 1, 3).reshape(groups * X8_GROUP, -1).float()
+    q = exact_integers(layer).permute(0, 2, 1, 3).reshape(groups * X8_GROUP, -1).float()
     p = layer.block_scales.permute(0, 3, 1, 2).reshape(
         groups * X8_GROUP, -1, 2 if layer.x8_affine else 1
     )

@@ -34,6 +34,8 @@ class _Linear(ctypes.Structure):
         ("format", ctypes.c_int64),
         ("block", ctypes.c_int64),
         ("affine", ctypes.c_int64),
+        ("bits", ctypes.c_int64),
+        ("offset", ctypes.c_int64),
     ]
 
 
@@ -82,6 +84,8 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
         int(layer.format),
         layer.x8_block,
         int(layer.x8_affine),
+        layer.x8_bits,
+        layer.x8_offset,
     )
 
 

@@ -64,6 +64,7 @@ from uag.kernels.formats import (
     X8_QUAD,
     Format,
     block_parameters,
+    pack_integers,
 )
 from uag.paths import cache_root
 
@@ -246,6 +247,12 @@ def integer_products() -> bool:
     return bool(lib is not None and lib.uag_x8_available())
 
 
+def packed_body() -> bool:
+    """Whether ``NativeLinear.pack`` packs (``UAG_PACKED_BODY=1``; default off until timed on
+    an AVX-512 machine against the int8 layout: the products are the same bits either way)."""
+    return os.environ.get("UAG_PACKED_BODY", "0") == "1"
+
+
 def native_unavailable() -> str | None:
     """None when the native kernel is usable here, else the reason it is not."""
     return _library()[1]
@@ -270,6 +277,8 @@ def _self_test(lib: ctypes.CDLL) -> str | None:
     blocked = _blocked_self_test(lib, gen)
     if blocked:
         return blocked
+    if not lib.uag_x8_unpack_check():
+        return "exact.c's AVX-512 unpacking of packed integers disagrees with its definition"
     dynamic = NativeLinear(linear, int8=True, dynamic=True, lib=lib)
     full = dynamic(x)
     ref = F.linear(x, dynamic.dequantized(), linear.bias)
@@ -529,6 +538,10 @@ class NativeLinear(nn.Module):
     """``Format.EXACT``: inputs per block (32 or 16)."""
     x8_affine = False
     """``Format.EXACT``: each block has a base besides its scale."""
+    x8_bits = 8
+    """``Format.EXACT``: bits per stored integer (8, or packed at 4-6: ``pack``)."""
+    x8_offset = 0
+    """``Format.EXACT``, packed: what each stored value is offset by (``pack_integers``)."""
 
     def __init__(
         self,
@@ -753,12 +766,13 @@ class NativeLinear(nn.Module):
             w = spec.widen(w, p.transpose(2, 3))
         return w.permute(0, 2, 1).reshape(self.padded_out, len(c))[: self.out_features]
 
-    def to_integer(self) -> bool:
+    def to_integer(self, *, anywhere: bool = False) -> bool:
         """Move exact block storage to ``exact.c`` (exact integer products: a verify's extra
         rows cost a fraction of the fp32 multiply-adds) where this CPU runs it fast (AVX-512
-        VNNI); True when moved. Layers whose integers do not fit int8, or whose widths do not
-        fit the layout, stay where they are."""
-        layout = self._integer_layout()
+        VNNI), or with ``anywhere`` also where only its scalar reference runs (tests: the
+        definition every path must match); True when moved. Layers whose integers do not fit
+        int8, or whose widths do not fit the layout, stay where they are."""
+        layout = self._integer_layout(anywhere=anywhere)
         if layout is None:
             return False
         self.weight_ilv, self.block_scales, self.x8_block, self.x8_affine = layout
@@ -782,13 +796,30 @@ class NativeLinear(nn.Module):
         twin._bind(self.lib)
         return twin
 
-    def _integer_layout(self) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
+    def pack(self) -> bool:
+        """Hold ``exact.c``'s integers at the fewest bits their range needs (4, 5 or 6:
+        ``pack_integers``) where ``packed_body()`` allows; True when packed. The products stay
+        bitwise the same (``exact.c`` unpacks the same integers); a one-row step reads fewer
+        bytes. Call it after ``fuse``: parts stored at different widths could not be fused."""
+        if self.format is not Format.EXACT or self.x8_bits != 8 or not packed_body():
+            return False
+        packed = pack_integers(self.weight_ilv, self.x8_block)
+        if packed is None:
+            return False
+        self.weight_ilv, self.x8_bits, self.x8_offset = packed
+        return True
+
+    def _integer_layout(
+        self, *, anywhere: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
         """``(weight, block parameters, block width, affine)`` in ``exact.c``'s layout, or None.
         The block form is read off the stored blocks: Q8_0 / Q5_0's int8 blocks of 32; for the
         affine blocks of 16, a base that is a whole number of steps (Q6_K) folds into the
         integers, and two neighbours sharing scale and base (Q4_K) make one block of 32, so
         fewer blocks each meet their scale."""
-        if not self.blocked or self.integer or self.lib is None or not self.lib.uag_x8_available():
+        if not self.blocked or self.integer or self.lib is None:
+            return None
+        if not (anywhere or self.lib.uag_x8_available()):
             return None
         n, k = self.padded_out, self.in_features
         if n % X8_GROUP or n != self.out_features:
@@ -832,6 +863,8 @@ class NativeLinear(nn.Module):
             ints = ints16.reshape(n, k).to(torch.int8)
             scales = torch.stack([scale, base], dim=-1) if affine else scale[..., None]
             scales = scales.float()
+        if not affine:
+            ints, scales = _lean_negative(ints, scales, block)
         groups = n // X8_GROUP
         weight = ints.view(groups, X8_GROUP, k // X8_QUAD, X8_QUAD).permute(0, 2, 1, 3)
         params = scales.reshape(groups, X8_GROUP, k // block, -1).permute(0, 2, 3, 1)
@@ -846,7 +879,7 @@ class NativeLinear(nn.Module):
         self.weight_ilv = interleave(F.pad(w, (0, 0, 0, self.padded_out - self.out_features)))
         self.block_scales = torch.empty(0)
         self.format, self.origin = Format.FP32, Format.FP32
-        self.x8_block, self.x8_affine = 0, False
+        self.x8_block, self.x8_affine, self.x8_bits, self.x8_offset = 0, False, 8, 0
         self._bind(self.lib)
 
     def prefix(self, rows: int) -> NativeLinear:
@@ -905,8 +938,8 @@ class NativeLinear(nn.Module):
         if self.format is Format.EXACT:
             self._fn(
                 rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
-                self.block_scales.data_ptr(), self.x8_block, int(self.x8_affine),
-                self.padded_out, bias, y.data_ptr(), self.padded_out,
+                self.block_scales.data_ptr(), self.x8_block, int(self.x8_affine), self.x8_bits,
+                self.x8_offset, self.padded_out, bias, y.data_ptr(), self.padded_out,
             )  # fmt: skip
         elif self.format is Format.DYNAMIC_INT8:
             self.product_q8(rows, y)
@@ -959,6 +992,24 @@ class NativeLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, native {label}"
 
 
+def _lean_negative(
+    ints: torch.Tensor, scales: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ints [n, k] int8, scales [n, k/block, 1])`` with every block whose integers lean
+    positive negated, its scale too. Why: GGUF's Q5_0 holds -16..15 (Q6_K -32..31), but the
+    block forms are found from the values alone, block by block as -16..15 or 15..-16 negated:
+    33 levels in all, a bit more than the file's (``pack``). Negating both changes the sign of
+    the exact sum and of ``s · v`` together, and IEEE rounding is symmetric: every bit after
+    them is the same."""
+    n, k = ints.shape
+    blocks = ints.view(n, k // block, block).to(torch.int16)
+    flip = (blocks.amax(dim=-1) + blocks.amin(dim=-1)) > 0
+    if not bool(flip.any()) or int(blocks.min()) < -127:  # -(-128) would not fit
+        return ints, scales
+    sign = 1 - 2 * flip.to(torch.int16)
+    return (blocks * sign[..., None]).reshape(n, k).to(torch.int8), scales * sign[..., None]
+
+
 def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     """One ``NativeLinear`` computing ``parts`` side by side (q/k/v, gate/up), or None.
 
@@ -969,7 +1020,9 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     if not parts or not all(isinstance(p, NativeLinear) for p in parts):
         return None
     layers: list[NativeLinear] = [p for p in parts if isinstance(p, NativeLinear)]
-    storage = {(p.format, p.origin, p.x8_block, p.x8_affine) for p in layers}
+    storage = {
+        (p.format, p.origin, p.x8_block, p.x8_affine, p.x8_bits, p.x8_offset) for p in layers
+    }
     if len(storage) > 1:  # one storage per fused product
         for p in layers:
             p.to_fp32()
@@ -988,6 +1041,7 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     nn.Module.__init__(fused)
     fused.format, fused.origin = first.format, first.origin
     fused.x8_block, fused.x8_affine = first.x8_block, first.x8_affine
+    fused.x8_bits, fused.x8_offset = first.x8_bits, first.x8_offset
     fused.k_step = first.k_step
     fused.in_features, fused.padded_in = first.in_features, first.padded_in
     fused.out_features = fused.padded_out = sum(p.out_features for p in layers)
@@ -1001,10 +1055,12 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     fused.invariance = "invariant"
     assert first.lib is not None
     fused._bind(first.lib)
+    fused.pack()  # the parts share one width (packing each first could not)
     start, rows = 0, FORMATS[first.format].per_entry  # outputs per leading index
     for p in layers:
         count = p.weight_ilv.shape[0]
         p.weight_ilv = fused.weight_ilv[start : start + count]
+        p.x8_bits, p.x8_offset = fused.x8_bits, fused.x8_offset
         p.scales = fused.scales[start * rows : (start + count) * rows]
         p.wsum = fused.wsum[start * rows : (start + count) * rows]
         if blocks:

@@ -242,7 +242,12 @@ class _Layer:
         act = _activation(mlp.act_fn)
         assert act is not None, "lean_body_for checks the activation"
         self.gate, self.up, self.down, self.act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, act
-        self.gate_up = fuse([self.gate, self.up])
+        self.gate_up = fuse([self.gate, self.up])  # fuse packs what it joins; the rest:
+        unfused = (*(() if self.qkv else (self.q, self.k, self.v)),
+                   *(() if self.gate_up else (self.gate, self.up)))  # fmt: skip
+        for linear in (self.o, self.down, *unfused):
+            if isinstance(linear, NativeLinear):
+                linear.pack()
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:

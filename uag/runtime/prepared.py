@@ -40,7 +40,7 @@ from torch import nn
 
 from uag.kernels import hugepages
 from uag.kernels.choice import quantize_int8
-from uag.kernels.native import integer_products
+from uag.kernels.native import integer_products, packed_body
 from uag.kernels.screened import ScreenedHead
 from uag.paths import cache_root
 from uag.runtime.lean import LeanBody, lean_body_for
@@ -105,7 +105,7 @@ def _key(directory: Path, role: str) -> str:
     digest = hashlib.sha256()
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     digest.update(f"{FORMAT}|{role}|{torch.__version__}|{version}|{_source_digest()}".encode())
-    digest.update(f"|integer:{integer_products()}".encode())  # the body's layout depends on it
+    digest.update(f"|integer:{integer_products()}|packed:{packed_body()}".encode())  # the layout
     for path in sorted(directory.iterdir()):
         if path.is_file() and _CHECKPOINT_FILES.match(path.name):
             stat = path.stat()

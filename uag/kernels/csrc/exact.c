@@ -27,6 +27,16 @@
  * Layout: q as [N/16][K/4][16][4] (sixteen outputs' four consecutive weights side by side: one
  * 64-byte load per quad for vpdpbusd, and a block's 8 (or 4) quads are one AMX B tile);
  * params [N/16][K/B][16] scales, or [N/16][K/B][2][16] scales then bases (affine).
+ *
+ * Packed (bits 4, 5 or 6): the same integers at the width their range needs, read back
+ * exactly before the products (unpack_ref, unpack512), so the sums and every bit after them
+ * are the int8 layout's. Why: Gemma 3's body is Q5_0 / Q4_K / Q6_K in its GGUF file (~68 MB)
+ * but read as ~119 MB of int8 a token, and a one-row step is bound by the bytes it reads.
+ * Each value is stored as u = q - offset (one offset per matrix, 0 <= u < 2^bits); per group
+ * and block, in place of its blk / 4 quads of 64 bytes: blk / 8 vectors of nibbles (vector j:
+ * quad 2j's u & 15 in the low nibbles, quad 2j + 1's in the high ones), then the high bits in
+ * the same byte positions: 5 bits, one vector whose bit r is quad r's bit 4; 6 bits, blk / 16
+ * vectors, vector v's bits 2t, 2t + 1 quad 4v + t's bits 4, 5 (packed_bytes).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -200,6 +210,48 @@ static inline X8 void wsum512(const int8_t *w, int64_t blk, int32_t *S) {
     _mm512_storeu_si512(S, s);
 }
 
+/* Bytes of one group's block in the packed layout (bits 8: the int8 layout). */
+static inline int64_t packed_bytes(int64_t blk, int64_t bits) {
+    if (bits == 8) return blk * XL;
+    return blk * 8 + (bits == 5 ? 64 : bits == 6 ? 64 * (blk / 16) : 0);
+}
+
+/* The packed layout's definition: one group's block back to its int8 quads w[blk / 4][64]. */
+static void unpack_ref(const uint8_t *pk, int64_t blk, int64_t bits, int64_t offset, int8_t *w) {
+    const uint8_t *high = pk + blk * 8;
+    for (int64_t r = 0; r < blk / XQ; r++)
+        for (int e = 0; e < XL * XQ; e++) {
+            int u = (pk[(r / 2) * 64 + e] >> (4 * (r & 1))) & 15;
+            if (bits == 5) u |= ((high[e] >> r) & 1) << 4;
+            else if (bits == 6) u |= ((high[(r / 4) * 64 + e] >> (2 * (r % 4))) & 3) << 4;
+            w[r * 64 + e] = (int8_t)(u + offset);
+        }
+}
+
+/* The same integers, two quads a step (AVX-512BW): the 16-bit shifts only ever move a byte's
+ * own bits into the positions the masks keep. */
+static inline X8 void unpack512(const uint8_t *pk, int64_t blk, int64_t bits, int64_t offset,
+                                int8_t *w) {
+    const __m512i low4 = _mm512_set1_epi8(15), off = _mm512_set1_epi8((char)offset);
+    const __m512i keep = _mm512_set1_epi8(bits == 5 ? 1 : 3);
+    const uint8_t *high = pk + blk * 8;
+    for (int64_t j = 0; j < blk / 8; j++) {
+        const __m512i v = _mm512_loadu_si512(pk + j * 64);
+        __m512i a = _mm512_and_si512(v, low4), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (bits > 4) { /* quads r = 2j (into a) and 2j + 1 (into b) */
+            const int64_t r = 2 * j;
+            const __m512i h = _mm512_loadu_si512(high + (bits == 5 ? 0 : (r / 4) * 64));
+            const int s = bits == 5 ? (int)r : (int)(2 * (r % 4)), t = bits == 5 ? 1 : 2;
+            const __m512i ha = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(s)), keep);
+            const __m512i hb = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(s + t)), keep);
+            a = _mm512_or_si512(a, _mm512_slli_epi16(ha, 4));
+            b = _mm512_or_si512(b, _mm512_slli_epi16(hb, 4));
+        }
+        _mm512_storeu_si512(w + 2 * j * 64, _mm512_add_epi8(a, off));
+        _mm512_storeu_si512(w + (2 * j + 1) * 64, _mm512_add_epi8(b, off));
+    }
+}
+
 /* VNNI: mb (<= XVNNI_ROWS, a constant after inlining) rows' planes against one group's block. */
 static inline X8 __attribute__((always_inline)) void sums_vnni(
     const uint8_t *planes, const int mb, const int8_t *w, int64_t blk, int32_t *c) {
@@ -363,6 +415,30 @@ static XAMX void pass_amx_wide(const uint8_t *planes, int64_t bstride, int rows,
 static XAMX void xamx_release(void) { _tile_release(); }
 #endif
 
+/* 1 where unpack512 gives unpack_ref's integers for every packed width and block size, on
+ * pseudo-random bytes (every bit pattern is a valid packed block), or where it cannot run
+ * here; 0 on any difference. Part of the build's self-test (uag/kernels/native.py), so a
+ * wrong SIMD unpack can never reach a product. */
+int64_t uag_x8_unpack_check(void) {
+    if (!uag_use_avx512vnni()) return 1;
+    uint8_t pk[384];
+    int8_t a[512], b[512];
+    uint32_t state = 12345u;
+    for (int64_t bits = 4; bits <= 6; bits++)
+        for (int64_t blk = 16; blk <= 32; blk += 16)
+            for (int trial = 0; trial < 8; trial++) {
+                for (int i = 0; i < 384; i++) {
+                    state = state * 1664525u + 1013904223u;
+                    pk[i] = (uint8_t)(state >> 24);
+                }
+                const int64_t offset = -(int64_t)(trial * 4);
+                unpack_ref(pk, blk, bits, offset, a);
+                unpack512(pk, blk, bits, offset, b);
+                if (memcmp(a, b, (size_t)(blk * XL)) != 0) return 0;
+            }
+    return 1;
+}
+
 /* 2: AMX, 1: AVX-512 VNNI, 0: the scalar reference, for a call of M rows. */
 static int x8_path(int64_t M) {
     if (HAVE_AMX && M >= XAMX_MIN_ROWS && uag_use_amx()) return 2;
@@ -374,12 +450,14 @@ static int x8_path(int64_t M) {
 int64_t uag_x8_available(void) { return uag_use_avx512vnni(); }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the block weights (layout above;
- * blk 32 or 16; affine: params hold bases too) + bias. N a multiple of 16, K of blk. */
+ * blk 32 or 16; affine: params hold bases too; bits 8, or 4-6 packed with offset) + bias.
+ * N a multiple of 16, K of blk. */
 void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *params, int64_t blk, int64_t affine, int64_t N,
-                   const float *bias, float *y, int64_t ldy) {
+                   const float *params, int64_t blk, int64_t affine, int64_t bits,
+                   int64_t offset, int64_t N, const float *bias, float *y, int64_t ldy) {
     const int path = x8_path(M);
     const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1;
+    const int64_t bb = packed_bytes(blk, bits); /* one group's block */
     /* AMX: passes of mc rows (the last padded with zero planes: one tile shape for all) */
     const int64_t per = M <= XAMX_ROWS || M > XAMX_WIDE ? XAMX_ROWS : XAMX_WIDE;
     const int64_t passes = path == 2 ? (M + per - 1) / per : 1;
@@ -399,14 +477,24 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     {
         int32_t *c = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)(R + 1) * XL);
         float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(passes * mc) * XL);
+        /* packed: AMX reads a group's blocks unpacked here (every pass reads them), VNNI and
+         * the reference one block at a time (its first blk * 16 bytes) */
+        int8_t *wbuf = bits == 8 ? NULL : (int8_t *)aligned_alloc(64, (size_t)(K * XL));
 #if HAVE_AMX
         if (path == 2) xamx_configure(R, blk);
 #endif
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             memset(acc, 0, sizeof(float) * (size_t)(passes * mc) * XL);
-            const int8_t *wg = w + g * K * XL;
+            const uint8_t *pk = (const uint8_t *)w + g * KB * bb;
+            const int8_t *wg = (const int8_t *)pk;
             const float *pg = params + g * KB * np * XL;
+#if HAVE_AMX
+            if (wbuf && path == 2) {
+                for (int64_t b = 0; b < KB; b++) unpack512(pk + b * bb, blk, bits, offset, wbuf + b * blk * XL);
+                wg = wbuf;
+            }
+#endif
             for (int64_t p = 0; p < passes; p++) {
                 const uint8_t *pp = planes + p * R * blk;
                 const int rows = (int)(M - p * mc < mc ? M - p * mc : mc);
@@ -421,6 +509,11 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 #endif
                 for (int64_t b = 0; b < KB; b++) {
                     const int8_t *wb = wg + b * blk * XL;
+                    if (wbuf) {
+                        if (path == 1) unpack512(pk + b * bb, blk, bits, offset, wbuf);
+                        else unpack_ref(pk + b * bb, blk, bits, offset, wbuf);
+                        wb = wbuf;
+                    }
                     const float *sc = pg + b * np * XL, *base = affine ? sc + XL : NULL;
                     int32_t *S = c + R * XL;
                     if (path == 1) {
@@ -447,6 +540,7 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 #endif
         free(c);
         free(acc);
+        free(wbuf);
     }
     free(planes), free(xsum), free(unit);
 }
