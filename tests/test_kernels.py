@@ -878,6 +878,35 @@ def test_packed_integers_are_the_int8_layouts_bit_for_bit(form, bits, monkeypatc
 
 
 @needs_native
+def test_blocks_stored_negated_with_their_scales_give_the_same_bits():
+    """``_lean_negative``'s premise: negating a block's integers and its scale negates the exact
+    sum and the scale together, and IEEE rounding is symmetric, so every path and row count
+    gives the same bits (zero rows included: no -0.0 appears)."""
+    import copy
+
+    linear, _, _ = _integer_form("q5_0")
+    layer = native.NativeLinear(linear)
+    assert layer.to_integer(anywhere=True)
+    negated = copy.deepcopy(layer)
+    negated.weight_ilv = (-layer.weight_ilv.to(torch.int16)).to(torch.int8)
+    negated.block_scales = -layer.block_scales
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, linear.in_features, generator=gen)
+    x[2] = 0.0
+    lib = layer.lib
+    try:
+        for amx, vnni in ((0, 0), (0, 1), (1, 1)):
+            lib.uag_set_amx(amx)
+            lib.uag_set_avx512vnni(vnni)
+            for m in (1, 3, 9):
+                a, b = negated(x[:m]), layer(x[:m])
+                assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+    finally:
+        lib.uag_set_amx(1)
+        lib.uag_set_avx512vnni(1)
+
+
+@needs_native
 def test_fuse_packs_the_joined_layer_and_its_parts_view_it(monkeypatch):
     """Parts of different ranges (6 and 4 bits alone) are fused first and packed as one, at the
     width the widest needs; the parts are views of the packed weight, with the same results."""
