@@ -954,3 +954,24 @@ def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(
         assert out.token_ids == ref.token_ids
         accepted += sum(r.accepted_candidates for r in out.iterations)
     assert accepted > 0  # verification accepted drafts, so multi-row forwards decided tokens
+
+
+@needs_native
+def test_a_wrong_unpack_refuses_packing_but_leaves_the_default_paths(monkeypatch):
+    """The packed body's SIMD unpacking is checked before anything is packed: where it
+    disagrees with its definition, ``UAG_PACKED_BODY=1`` is a clear error, while the build's
+    self-test (every default path, none of which unpacks) still passes."""
+    from uag.errors import UagError
+
+    lib = native._library()[0]
+    monkeypatch.setattr(lib, "uag_x8_unpack_check", lambda: 0)
+    native._packing_unavailable.cache_clear()
+    try:
+        assert native._self_test(lib) is None
+        monkeypatch.delenv("UAG_PACKED_BODY", raising=False)
+        assert not native.packed_body()
+        monkeypatch.setenv("UAG_PACKED_BODY", "1")
+        with pytest.raises(UagError, match="UAG_PACKED_BODY=1 cannot be used here: .*unpacking"):
+            native.packed_body()
+    finally:
+        native._packing_unavailable.cache_clear()

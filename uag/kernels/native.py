@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from uag.errors import UagError
 from uag.kernels.formats import (
     AFFINE_K,
     BLOCK_K,
@@ -249,8 +250,25 @@ def integer_products() -> bool:
 
 def packed_body() -> bool:
     """Whether ``NativeLinear.pack`` packs (``UAG_PACKED_BODY=1``; default off until timed on
-    an AVX-512 machine against the int8 layout: the products are the same bits either way)."""
-    return os.environ.get("UAG_PACKED_BODY", "0") == "1"
+    an AVX-512 machine against the int8 layout: the products are the same bits either way).
+    Asked for where ``exact.c``'s SIMD unpacking disagrees with its definition, a clear error."""
+    if os.environ.get("UAG_PACKED_BODY", "0") != "1":
+        return False
+    problem = _packing_unavailable()
+    if problem:
+        raise UagError(f"UAG_PACKED_BODY=1 cannot be used here: {problem}; unset it")
+    return True
+
+
+@functools.cache
+def _packing_unavailable() -> str | None:
+    """Why packed products cannot run here, or None. Checked on first use, not in the build's
+    self-test: a wrong unpack is then a clear error for the one who asked for packing, while
+    every default path (which never unpacks) stays available."""
+    lib = _library()[0]
+    if lib is not None and not lib.uag_x8_unpack_check():
+        return "exact.c's AVX-512 unpacking of packed integers disagrees with its definition"
+    return None
 
 
 def native_unavailable() -> str | None:
@@ -277,8 +295,6 @@ def _self_test(lib: ctypes.CDLL) -> str | None:
     blocked = _blocked_self_test(lib, gen)
     if blocked:
         return blocked
-    if not lib.uag_x8_unpack_check():
-        return "exact.c's AVX-512 unpacking of packed integers disagrees with its definition"
     dynamic = NativeLinear(linear, int8=True, dynamic=True, lib=lib)
     full = dynamic(x)
     ref = F.linear(x, dynamic.dequantized(), linear.bias)

@@ -417,8 +417,8 @@ static XAMX void xamx_release(void) { _tile_release(); }
 
 /* 1 where unpack512 gives unpack_ref's integers for every packed width and block size, on
  * pseudo-random bytes (every bit pattern is a valid packed block), or where it cannot run
- * here; 0 on any difference. Part of the build's self-test (uag/kernels/native.py), so a
- * wrong SIMD unpack can never reach a product. */
+ * here; 0 on any difference. Checked before anything is packed (uag/kernels/native.py's
+ * packed_body), so a wrong SIMD unpack can never reach a product. */
 int64_t uag_x8_unpack_check(void) {
     if (!uag_use_avx512vnni()) return 1;
     uint8_t pk[384];
