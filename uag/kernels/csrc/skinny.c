@@ -327,12 +327,14 @@ int64_t uag_set_avx512(int64_t want) {
  * accumulators where possible, since 2 FMA pipes x 4 cycles of latency need 8 in flight).
  * One row of the affine format takes 4: its weights cost a multiply and an add each before the
  * multiply-add, and 8 vectors' parameters do not fit in registers beside them (Zen 3: ~20 %
- * faster than 8, the same bits). From 9 rows, 2 vectors: 6 rows a pass, so a 9-row verify
- * widens each weight in 2 passes instead of 3 (its body products 11 % less time on a Zen 3;
- * 12 rows 6 %, 16 rows 2.5 %; 7-8 rows keep 3 vectors, which two passes cover anyway). */
+ * faster than 8, the same bits). From 9 rows, the formats widened before their multiply-adds
+ * take 2 vectors: 6 rows a pass, so a 9-row verify widens each weight in 2 passes instead of 3
+ * (Gemma 3's body products 11 % less time on a Zen 3; 12 rows 6 %, 16 rows 2.5 %). fp32, with
+ * nothing to widen, keeps 3 (2 ran 14 % slower at 9 rows), as do 7-8 rows (two passes anyway). */
 static int tile_vectors(int64_t M, int fmt) {
     if (M == 1) return fmt == UAG_FMT_BLOCK_AFFINE ? 4 : 8;
-    return M <= 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : M <= 8 ? 3 : 2;
+    if (M >= 9 && fmt != UAG_FMT_FP32) return 2;
+    return M <= 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : 3;
 }
 static int max_rows(int nv) { return nv >= 8 ? 1 : nv == 4 ? 3 : nv == 3 ? 4 : 6; }
 
