@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) __m256 w_a8(const uint8_t *w, __m25
  * whole cost. On a 2-core Zen 3 (AVX2) Gemma 3's body products took 28 % less time (same
  * bits), 4-vector tiles for the affine format included (tile_vectors). Each output is the same
  * chain of multiply-adds over k in order as in the loops below, on the same weights. Several
- * rows (k_b8, k_a8) also go block by block, each block's parameter row found once (2-4 % at
+ * rows (k_blocks) also go block by block, each block's parameter row found once (2-4 % at
  * 2-9 rows), but reload the parameters per input: their accumulators fill the registers. */
 static inline __attribute__((always_inline)) void row_blocks(
     const float *x, int64_t k0, int64_t k1, int64_t K, const void *w, const float *params,
@@ -110,63 +110,36 @@ static inline __attribute__((always_inline)) void NAME(                         
 KERNEL(k_f32, float, w_f32)
 KERNEL(k_i8, int8_t, w_i8)
 
-/* Block-scaled int8 that is exactly the fp32 weight: w[n, k] = q[n, k] * s[n, k / 32] with every
- * product exact (checked when the layer is built: uag.kernels.native.block_int8), so each multiply-add
- * sees bitwise the fp32 weight and the output is bitwise k_f32's, from ~a quarter of the bytes.
- * Scales: [N/8][K/32][8]. */
-static inline __attribute__((always_inline)) void k_b8(
-    const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K,
-    const int8_t *w, const float *bs, const int nv, __m256 *state) {
+/* The two block formats, each bitwise the fp32 kernel's output on its exact weight (checked when
+ * the layer is built: uag.kernels.native.block_int8 / block_affine):
+ *   - block-scaled int8 (affine 0): w[n, k] = q[n, k] * s[n, k / 32], every product exact, from
+ *     ~a quarter of fp32's bytes; scales [N/8][K/32][8];
+ *   - block-affine uint8 (affine 1): w[n, k] = fl(fl(q[n, k] * s) + b) for the (s, b) of its
+ *     block of 16 inputs, from 1.5 of fp32's 4 bytes; parameters [N/8][K/16][2][8] (eight
+ *     scales, then eight bases).
+ * Rows [0, mb) against nv vectors for k in [k0, k1), block by block; one row goes to
+ * row_blocks. affine, mb and nv are constants after inlining. */
+static inline __attribute__((always_inline)) void k_blocks(
+    const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K, const void *w,
+    const float *params, const int affine, const int nv, __m256 *state) {
     if (mb == 1) {
-        row_blocks(x, k0, k1, K, w, bs, 0, nv, state);
+        row_blocks(x, k0, k1, K, w, params, affine, nv, state);
         return;
     }
+    const int64_t blk = affine ? ABLOCK_K : BLOCK_K, KB = K / blk, np = affine ? 2 : 1;
     __m256 acc[6][8];
     _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
         _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = state[i * 8 + j];
-    const int64_t KB = K / BLOCK_K;
     for (int64_t kb = k0; kb < k1;) {
-        const int64_t end = (kb / BLOCK_K + 1) * BLOCK_K < k1 ? (kb / BLOCK_K + 1) * BLOCK_K : k1;
-        const float *pb = bs + (kb / BLOCK_K) * LANES;
-        for (int64_t k = kb; k < end; k++) {
-            __m256 wv[8];
-            _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)
-                wv[j] = w_b8(w + (j * K + k) * LANES, _mm256_loadu_ps(pb + j * KB * LANES));
-            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
-                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
-                _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++)
-                    acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);
-            }
-        }
-        kb = end;
-    }
-    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) state[i * 8 + j] = acc[i][j];
-}
-
-/* Block-affine uint8 that is exactly the fp32 weight: w[n, k] = fl(fl(q[n, k] * s) + b) for the
- * (s, b) of its block of 16 inputs (checked when the layer is built: uag.kernels.native.block_affine), so
- * each multiply-add sees bitwise the fp32 weight and the output is bitwise k_f32's, from 1.5 of
- * fp32's 4 bytes per weight. Parameters: [N/8][K/16][2][8] (eight scales, then eight bases). */
-static inline __attribute__((always_inline)) void k_a8(
-    const float *x, int64_t ldx, const int mb, int64_t k0, int64_t k1, int64_t K,
-    const uint8_t *w, const float *ab, const int nv, __m256 *state) {
-    if (mb == 1) {
-        row_blocks(x, k0, k1, K, w, ab, 1, nv, state);
-        return;
-    }
-    __m256 acc[6][8];
-    _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
-        _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) acc[i][j] = state[i * 8 + j];
-    const int64_t KB = K / ABLOCK_K;
-    for (int64_t kb = k0; kb < k1;) {
-        const int64_t end = (kb / ABLOCK_K + 1) * ABLOCK_K < k1 ? (kb / ABLOCK_K + 1) * ABLOCK_K : k1;
-        const float *pb = ab + (kb / ABLOCK_K) * 2 * LANES;
+        const int64_t end = (kb / blk + 1) * blk < k1 ? (kb / blk + 1) * blk : k1;
+        const float *pb = params + (kb / blk) * np * LANES;
         for (int64_t k = kb; k < end; k++) {
             __m256 wv[8];
             _Pragma("GCC unroll 8") for (int j = 0; j < nv; j++) {
-                const float *p = pb + j * KB * 2 * LANES;
-                wv[j] = w_a8(w + (j * K + k) * LANES, _mm256_loadu_ps(p), _mm256_loadu_ps(p + LANES));
+                const float *p = pb + j * KB * np * LANES;
+                wv[j] = affine ? w_a8((const uint8_t *)w + (j * K + k) * LANES, _mm256_loadu_ps(p),
+                                      _mm256_loadu_ps(p + LANES))
+                               : w_b8((const int8_t *)w + (j * K + k) * LANES, _mm256_loadu_ps(p));
             }
             _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
                 const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
@@ -192,8 +165,8 @@ static inline __attribute__((always_inline)) void k_a8(
 
 #define CASE_F32(MB, NV) case (MB) * 16 + (NV): k_f32(x, ldx, MB, k0, k1, K, w, NV, state); break;
 #define CASE_I8(MB, NV) case (MB) * 16 + (NV): k_i8(x, ldx, MB, k0, k1, K, w, NV, state); break;
-#define CASE_B8(MB, NV) case (MB) * 16 + (NV): k_b8(x, ldx, MB, k0, k1, K, w, bs, NV, state); break;
-#define CASE_A8(MB, NV) case (MB) * 16 + (NV): k_a8(x, ldx, MB, k0, k1, K, w, ab, NV, state); break;
+#define CASE_B8(MB, NV) case (MB) * 16 + (NV): k_blocks(x, ldx, MB, k0, k1, K, w, bs, 0, NV, state); break;
+#define CASE_A8(MB, NV) case (MB) * 16 + (NV): k_blocks(x, ldx, MB, k0, k1, K, w, ab, 1, NV, state); break;
 
 static void dispatch_f32(const float *x, int64_t ldx, int mb, int64_t k0, int64_t k1, int64_t K,
                          const float *w, int nv, __m256 *state) {
@@ -434,13 +407,13 @@ void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     drive(x, ldx, M, K, w, UAG_FMT_INT8, scale, N, bias, y, ldy);
 }
 
-/* Block-scaled int8 (k_b8): K a multiple of 32; bitwise uag_linear_f32 on the exact weight. */
+/* Block-scaled int8 (k_blocks): K a multiple of 32; bitwise uag_linear_f32 on the exact weight. */
 void uag_linear_b8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
                    const float *bscale, int64_t N, const float *bias, float *y, int64_t ldy) {
     drive(x, ldx, M, K, w, UAG_FMT_BLOCK_INT8, bscale, N, bias, y, ldy);
 }
 
-/* Block-affine uint8 (k_a8): K a multiple of 16; bitwise uag_linear_f32 on the exact weight. */
+/* Block-affine uint8 (k_blocks): K a multiple of 16; bitwise uag_linear_f32 on the exact weight. */
 void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
                    const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
     drive(x, ldx, M, K, w, UAG_FMT_BLOCK_AFFINE, params, N, bias, y, ldy);
