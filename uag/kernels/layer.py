@@ -14,6 +14,7 @@ Used only when every linear of the model is a fusable ``NativeLinear`` (``--kern
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any
 
 import torch
@@ -98,9 +99,14 @@ class NativeLayers:
 
     def __init__(self, body: Any, structs: list[_Layer], keep: list[Any]) -> None:
         self.body = body
-        self.structs = structs
+        self.structs = (_Layer * len(structs))(*structs)
+        """The layers' C structs, contiguous: one ``uag_decoder_layers`` call runs them all."""
         self._keep = keep  # tensors the structs point into
-        self._call = body.layers[0].qkv.lib.uag_decoder_layer
+        self._call = body.layers[0].qkv.lib.uag_decoder_layers
+        kinds = list(dict.fromkeys(body.layer_types))
+        self._kinds = kinds  # the rotary tables' kinds, in the order cos/sin pass them
+        self._kind = torch.tensor([kinds.index(k) for k in body.layer_types], dtype=torch.int64)
+        self._cache_ptrs: tuple[Any, int, torch.Tensor, torch.Tensor] | None = None
         hq, hkv, d = body.groups * body.kv_heads, body.kv_heads, body.head_dim
         hidden, inter = structs[0].hidden, structs[0].inter
         widths = {
@@ -178,37 +184,56 @@ class NativeLayers:
         hidden: torch.Tensor,
         cache: Any,
         start: int,
-        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """``hidden`` ``[n, h]`` (updated in place) through every layer."""
+        """``hidden`` ``[n, h]`` (updated in place; contiguous) through every layer, at
+        positions ``start`` on; ``tables``: each layer kind's whole rotary cos/sin table,
+        float32 ``[P, head_dim]`` from position 0 (``uag.runtime.lean._Rope.table``), read
+        from row ``start`` by address."""
         n = hidden.shape[0]
         self.reserve(n)
         if (cache.keys[0].dtype == torch.float16) != self.kv_half:
             raise RuntimeError("cache dtype does not match the native layers' (set_kv_half)")
-        scratch = ctypes.byref(self.scratch)
-        for index, struct in enumerate(self.structs):
-            cos, sin = rope[self.body.layer_types[index]]
-            self._call(
-                ctypes.byref(struct),
-                hidden.data_ptr(),
-                n,
-                start,
-                cache.keys[index].data_ptr(),
-                cache.values[index].data_ptr(),
-                cache.capacity,
-                cos.data_ptr(),
-                sin.data_ptr(),
-                scratch,
-            )
+        keys, values = self._addresses(cache)
+        row = start * self.body.head_dim * 4  # bytes to the first row of a float32 table
+        count = len(self._kinds)
+        cos = (ctypes.c_void_p * count)(*(tables[k][0].data_ptr() + row for k in self._kinds))
+        sin = (ctypes.c_void_p * count)(*(tables[k][1].data_ptr() + row for k in self._kinds))
+        self._call(
+            self.structs,
+            len(self.structs),
+            hidden.data_ptr(),
+            n,
+            start,
+            keys.data_ptr(),
+            values.data_ptr(),
+            cache.capacity,
+            self._kind.data_ptr(),
+            cos,
+            sin,
+            ctypes.byref(self.scratch),
+        )
         return hidden
+
+    def _addresses(self, cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer's key and value tensor addresses, as int64 tensors for the C call;
+        rebuilt when the cache is another one or has grown (``LeanCache.reserve`` replaces
+        its tensors), else reused (a step's Python cost is what the one call saves). The cache
+        is held weakly, so an old one is freed as before."""
+        held = self._cache_ptrs
+        if held is None or held[0]() is not cache or held[1] != cache.capacity:
+            keys = torch.tensor([k.data_ptr() for k in cache.keys], dtype=torch.int64)
+            values = torch.tensor([v.data_ptr() for v in cache.values], dtype=torch.int64)
+            held = self._cache_ptrs = (weakref.ref(cache), cache.capacity, keys, values)
+        return held[2], held[3]
 
     def norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
         """``x`` ``[n, h]`` (contiguous fp32) through ``norm`` (a ``uag.runtime.lean._Norm``) with the
-        layers' own RMS norm: the body's final norm, on the path these layers take."""
-        y = torch.empty_like(x)
+        layers' own RMS norm, in place (no allocation after the weights' stream): the body's
+        final norm, on the path these layers take."""
         lib = self.body.layers[0].qkv.lib
         eps = ctypes.c_float(norm.eps)
         lib.uag_rms_norm_rows(
-            x.data_ptr(), x.shape[0], x.shape[1], norm.weight.data_ptr(), eps, y.data_ptr()
+            x.data_ptr(), x.shape[0], x.shape[1], norm.weight.data_ptr(), eps, x.data_ptr()
         )
-        return y
+        return x

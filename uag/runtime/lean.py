@@ -146,12 +146,22 @@ class _Rope:
         a short call's scalar tail), on every device and dtype (the slice is then rounded to
         ``dtype``, an elementwise, exactly rounded conversion)."""
         start, n = int(positions[0]), int(positions.shape[0])
+        return {
+            kind: (c[start : start + n].to(dtype), s[start : start + n].to(dtype))
+            for kind, (c, s) in self.table(start + n, positions.device).items()
+        }
+
+    def table(self, upto: int, device: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{kind: (cos, sin)}``, float32 ``[P, d]`` each for positions 0 .. P - 1 with
+        P >= ``upto``: the whole table, grown first where it is shorter. The native layers
+        read a forward's rows from it by address (no slicing: a decode step's torch calls
+        each cost tens of microseconds on caches the weights just streamed through)."""
         have = 0 if self._table is None else next(iter(self._table.values()))[0].shape[0]
-        if start + n > have:  # grow: double, in blocks computed one call each (no thread split)
-            upto = max(-(-(start + n) // self.BLOCK) * self.BLOCK, 2 * have)
+        if upto > have:  # grow: double, in blocks computed one call each (no thread split)
+            end = max(-(-upto // self.BLOCK) * self.BLOCK, 2 * have)
             blocks = [
-                self._compute(torch.arange(b, b + self.BLOCK, device=positions.device))
-                for b in range(have, upto, self.BLOCK)
+                self._compute(torch.arange(b, b + self.BLOCK, device=device))
+                for b in range(have, end, self.BLOCK)
             ]
             old = [] if self._table is None else [self._table]
             self._table = {
@@ -161,12 +171,8 @@ class _Rope:
                 )
                 for kind in blocks[0]
             }
-        table = self._table
-        assert table is not None
-        return {
-            kind: (c[start : start + n].to(dtype), s[start : start + n].to(dtype))
-            for kind, (c, s) in table.items()
-        }
+        assert self._table is not None
+        return self._table
 
     def _compute(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
@@ -375,20 +381,16 @@ class LeanBody:
         """Feed ``ids`` (``[n]``) after the ``cache.length`` positions already cached."""
         start, n = cache.length, int(ids.shape[0])
         cache.reserve(start + n)
-        positions = torch.arange(start, start + n, device=self.device)  # [n]
         hidden = self.embed(ids)  # [n, h]
-        rope = self.rope(positions, hidden.dtype)  # {kind: ([n, d], [n, d])}
         if self.native is not None and (n <= ROWWISE_MAX_ROWS or self.prompts_native):
             hidden, piece = hidden.contiguous(), self.PROMPT_ROWS
-            if n <= piece:  # every decode step and verify: one call, no slicing
-                self.native(hidden, cache, start, rope)
-            else:  # a long prompt in pieces
-                for lo in range(0, n, piece):
-                    part = {kind: (c[lo : lo + piece], s[lo : lo + piece])
-                            for kind, (c, s) in rope.items()}  # fmt: skip
-                    self.native(hidden[lo : lo + piece], cache, start + lo, part)
+            tables = self.rope.table(start + n, self.device)  # rows by address, no slicing
+            for lo in range(0, n, piece):  # a decode step or verify: one call; a prompt in pieces
+                self.native(hidden[lo : lo + piece], cache, start + lo, tables)
             cache.length = start + n
-            return self.native.norm(hidden, self.final_norm)
+            return self.native.norm(hidden, self.final_norm)  # in place: hidden is this call's
+        positions = torch.arange(start, start + n, device=self.device)  # [n]
+        rope = self.rope(positions, hidden.dtype)  # {kind: ([n, d], [n, d])}
         pad = self.pad_rows - n if n <= self.pad_rows else 0
         if pad:  # one shape for every short forward (``pad_rows``)
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])

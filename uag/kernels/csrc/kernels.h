@@ -60,10 +60,14 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 int64_t uag_x8_available(void);
 int64_t uag_x8_unpack_check(void);
 
-/* layer.c: a decoder layer in one call; the layers' RMS norm */
+/* layer.c: a decoder layer in one call, every layer in one call; the layers' RMS norm */
 void uag_decoder_layer(const struct uag_layer *L, float *hidden, int64_t rows, int64_t start,
                        float *keys, float *values, int64_t capacity, const float *cos,
                        const float *sin, const struct uag_scratch *S);
+void uag_decoder_layers(const struct uag_layer *layers, int64_t count, float *hidden,
+                        int64_t rows, int64_t start, float *const *keys, float *const *values,
+                        int64_t capacity, const int64_t *kind, const float *const *cos,
+                        const float *const *sin, const struct uag_scratch *S);
 void uag_rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *w, float eps,
                        float *y);
 
