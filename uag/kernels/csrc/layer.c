@@ -11,6 +11,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -312,9 +313,14 @@ static void attention(const uag_layer_t *L, const float *qkv, int64_t rows, int6
 #pragma omp parallel
     {
         float *score = (float *)malloc(sizeof(float) * (size_t)(per * sstride));
-        /* round robin: a prompt's later rows see more keys (static blocks gave one thread
-         * ~70 % of the work) */
-#pragma omp for schedule(static, 1)
+        /* Several rows: round robin, since a prompt's later rows see more keys (static blocks
+         * gave one thread ~70 % of the work). One row: each thread a run of neighbouring heads,
+         * so fewer kv heads' keys and values to fetch per thread (a decode step's are cold,
+         * after the weights' stream): SmolLM2's draft step 0.91-0.96x, 9 heads on 3 kv heads.
+         * Which thread computes a head never changes its bits. */
+        const int64_t threads = omp_get_num_threads();
+        const int64_t chunk = rows == 1 ? (tasks + threads - 1) / threads : 1;
+#pragma omp for schedule(static, chunk)
         for (int64_t t = 0; t < tasks; t++) {
             const int64_t i = t * per / L->heads, h = t * per % L->heads, kv = h / groups;
             const int64_t pos = start + i;
