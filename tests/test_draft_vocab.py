@@ -111,6 +111,52 @@ def test_a_draft_reads_only_the_draft_vocabulary(tokenizers):
     assert lm.draft_head is None and lm.draft(hidden)[0] == int(lm.logits(hidden[-1:])[0].argmax())
 
 
+@pytest.mark.skipif(native._library()[0] is None, reason="native kernels unavailable")
+def test_a_native_draft_step_gives_what_the_heads_module_gives(tokenizers):
+    """A draft step on a native head writes its logits into a buffer of its own
+    (``NativeLinear.into``, padded width) and reads the statistics over the real ids only:
+    the same id and the same floats as the module's own forward and ``draft_stats``, at the
+    full vocabulary, a cut one and after a forward of several rows."""
+    pair = cross_pair(tokenizers, kernels="native")
+    lm = pair.assistant_lm.twin()
+    lm.reset([1, 400, 2000, 30000, 70], rollback=False)
+    hidden = lm.forward()
+    for vocab in (0, 64, None):
+        lm.set_draft_vocab(vocab)
+        head = lm.draft_head if lm.draft_head is not None else lm.head
+        assert isinstance(head, native.NativeLinear)
+        with torch.inference_mode():
+            expected = native.draft_stats(head(hidden[-1:]).float()[0])
+        assert lm.draft(hidden) == expected
+    lm.truncate(2)
+    lm.ids.extend([2000, 30000, 70])
+    hidden = lm.forward()  # three rows: the last one drafts
+    with torch.inference_mode():
+        expected = native.draft_stats(head(hidden[-1:]).float()[0])
+    assert hidden.shape[0] == 3 and lm.draft(hidden) == expected
+
+
+@pytest.mark.skipif(native._library()[0] is None, reason="native kernels unavailable")
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_statistics_over_a_padded_row_read_the_real_ids_only(dynamic):
+    """``NativeLinear.into`` writes a padded row (1001 outputs → a multiple of the kernels'
+    tile); ``draft_stats(count=...)`` must read the real outputs alone, as the module's own
+    forward gives them: a zero logit in the padding would move the entropy and could win."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 1001, bias=False)
+    with torch.no_grad():
+        linear.weight[:, 0] = -1.0  # with x[0] = 1, every real logit is below the padding's 0
+    layer = native.NativeLinear(linear, int8=dynamic, dynamic=dynamic)
+    assert layer.padded_out > layer.out_features
+    x = torch.randn(1, 64) * 0.01
+    x[0, 0] = 1.0
+    y = torch.empty(1, layer.padded_out)
+    layer.into(x, y)
+    expected = native.draft_stats(layer(x)[0])
+    assert native.draft_stats(y, count=layer.out_features) == expected
+    assert native.draft_stats(y)[0] >= layer.out_features  # the padding would have won
+
+
 @pytest.fixture(scope="module")
 def cut_pair(tokenizers):
     pair = cross_pair(tokenizers)

@@ -948,8 +948,18 @@ class NativeLinear(nn.Module):
             rows = F.pad(rows, (0, self.padded_in - self.in_features))
         elif not rows.is_contiguous():
             rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], self.padded_out)
+        self.into(rows, y)
+        if self.padded_out != self.out_features:
+            y = y[:, : self.out_features]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def into(self, rows: torch.Tensor, y: torch.Tensor) -> None:
+        """``y = rows @ W^T (+ bias)`` in one C call: ``rows`` contiguous fp32 ``[m, padded
+        in]``, ``y`` contiguous fp32 ``[m, padded out]``, both the caller's. Why apart from
+        ``forward``: a draft step writes its head's logits into a buffer it keeps (each torch
+        call after the weights' stream costs tens of microseconds on cold caches)."""
         m = rows.shape[0]
-        y = torch.empty(m, self.padded_out)
         bias = None if self.bias_padded is None else self.bias_padded.data_ptr()
         if self.format is Format.EXACT:
             self._fn(
@@ -964,9 +974,6 @@ class NativeLinear(nn.Module):
                 rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
                 self.params_ptr(), self.padded_out, bias, y.data_ptr(), self.padded_out,
             )  # fmt: skip
-        if self.padded_out != self.out_features:
-            y = y[:, : self.out_features]
-        return y.reshape(*x.shape[:-1], self.out_features)
 
     def product_q8(
         self,
@@ -1087,17 +1094,20 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     return fused
 
 
-def draft_stats(logits: torch.Tensor) -> tuple[int, float, float, float]:
+def draft_stats(logits: torch.Tensor, *, count: int = 0) -> tuple[int, float, float, float]:
     """``(argmax id, top probability, second probability, entropy)`` of ``softmax(logits)``
-    (``[V]``): what a drafted token's features read. One C pass (``screen.c``) on CPU float32
-    where the kernels are built (torch's five ops cost ~0.45 ms a draft step), else torch."""
+    (``[V]``, or its first ``count`` values: a padded head's row): what a drafted token's
+    features read. One C pass (``screen.c``) on CPU float32 where the kernels are built
+    (torch's five ops cost ~0.45 ms a draft step), else torch."""
     lib = _library()[0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if lib is not None:
-        x = logits.contiguous()
+        x = logits if logits.is_contiguous() else logits.contiguous()
         out = (ctypes.c_double * 3)()
-        top = int(lib.uag_draft_stats(x.data_ptr(), x.numel(), out))
+        top = int(lib.uag_draft_stats(x.data_ptr(), count or x.numel(), out))
         if top >= 0:  # else NaN logits: torch says what it makes of them
             return top, out[0], out[1], out[2]
+    if count:
+        logits = logits.reshape(-1)[:count]
     probs = torch.softmax(logits.float(), dim=-1)
     best = torch.topk(probs, 2)
     entropy = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())

@@ -12,7 +12,7 @@ import copy
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from uag.kernels import hugepages
 from uag.kernels.choice import accelerate_target, is_row_invariant, swap_linears
-from uag.kernels.native import draft_stats
+from uag.kernels.native import NativeLinear, draft_stats
 from uag.kernels.screened import ScreenedHead, calibrate
 from uag.runtime import invariance
 from uag.runtime.draft_vocab import draft_head
@@ -266,6 +266,10 @@ class CachedLM:
         (``set_draft_vocab``): what a drafted token's features read. ``among``: only these ids
         (each under ``draft_limit``), the statistics over them alone (token healing)."""
         head = self.draft_head if self.draft_head is not None else self.head
+        if among is None and not self.softcap and _native_row(head, hidden):
+            y = torch.empty(1, head.padded_out)  # two C calls, few torch ones: caches are cold
+            head.into(hidden[-1:], y)
+            return draft_stats(y, count=head.out_features)
         out = head(hidden[-1:]).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
@@ -287,6 +291,18 @@ class CachedLM:
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
+
+
+def _native_row(head: Any, hidden: torch.Tensor) -> TypeGuard[NativeLinear]:
+    """Whether ``head`` can take ``hidden``'s last row as it is (``NativeLinear.into``)."""
+    return (
+        isinstance(head, NativeLinear)
+        and head.lib is not None
+        and head.padded_in == head.in_features
+        and hidden.device.type == "cpu"
+        and hidden.dtype == torch.float32
+        and hidden.is_contiguous()
+    )
 
 
 class GreedyHead:
