@@ -139,7 +139,7 @@ def test_lean_forward_in_bfloat16_is_silent_and_agrees(tokenizers, family):
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
 @pytest.mark.parametrize("family", ["gemma", "llama"])
 def test_native_layers_match_the_torch_path(tokenizers, family):
-    """``layer.c`` (one call per layer) against the lean torch path on the same native linears:
+    """``layer.c`` (every layer in one call) against the lean torch path on the same native linears:
     equal within float noise through prefill, chunks of 1-16 rows past the sliding window, and
     a rollback; and each row's logits bitwise the same whatever the chunking."""
     vocab = len(tokenizers[0])
@@ -230,6 +230,46 @@ def test_each_draft_step_knows_how_much_of_its_text_repeats(which, request):
             seen.append(step.repeat)
         done += it.emitted
     assert seen and max(seen) > 0
+
+
+@pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
+def test_native_layers_follow_their_cache_across_growth_and_twins(tokenizers):
+    """The body's one C call takes each layer's key/value addresses from a table kept for the
+    cache in use (``NativeLayers._addresses``): two sequences on one body, alternating step by
+    step, each with a cache that grows (its tensors replaced) mid-decode, give bitwise what
+    each gives alone with room reserved up front."""
+    vocab = len(tokenizers[0])
+    model = tiny_llama(vocab)
+    kernels.swap_linears(model, "native", head=True)
+    a = CachedLM(model)
+    assert a.lean is not None and a.lean.native is not None
+    b = a.twin()
+    gen = torch.Generator().manual_seed(3)
+    ids_a, ids_b = (torch.randint(3, vocab, (300,), generator=gen).tolist() for _ in range(2))
+
+    def alone(ids: list[int]) -> torch.Tensor:
+        lm = a.twin()
+        lm.reset(ids[:1], rollback=False)
+        lm.cache.reserve(len(ids))
+        rows = [lm.forward()]
+        for tok in ids[1:]:
+            lm.ids.append(tok)
+            rows.append(lm.forward())
+        return torch.cat(rows)
+
+    expected_a, expected_b = alone(ids_a), alone(ids_b)
+    a.reset(ids_a[:1], rollback=False)
+    b.reset(ids_b[:1], rollback=False)
+    rows_a, rows_b = [a.forward()], [b.forward()]
+    start = a.cache.capacity
+    for tok_a, tok_b in zip(ids_a[1:], ids_b[1:], strict=True):
+        a.ids.append(tok_a)
+        rows_a.append(a.forward())
+        b.ids.append(tok_b)
+        rows_b.append(b.forward())
+    assert start < 300 <= a.cache.capacity  # grew mid-decode
+    assert torch.equal(torch.cat(rows_a), expected_a)
+    assert torch.equal(torch.cat(rows_b), expected_b)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])

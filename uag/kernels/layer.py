@@ -1,5 +1,5 @@
-"""Decoder layers as one native call each (``csrc/layer.c``), for forwards of up to 16 rows
-(and the assistant's prompts: ``uag.runtime.lean.LeanBody.native_prompts``).
+"""Every decoder layer of a body in one native call (``csrc/layer.c``), for forwards of up to
+16 rows (and the assistant's prompts: ``uag.runtime.lean.LeanBody.native_prompts``).
 
 Why: once the matrix products run on ``skinny.c``, what is left of a decode step is ~25 small
 torch calls per layer (norms, rotary embedding, cache write, attention, activation, residuals),
