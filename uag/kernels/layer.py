@@ -227,13 +227,15 @@ class NativeLayers:
             held = self._cache_ptrs = (weakref.ref(cache), cache.capacity, keys, values)
         return held[2], held[3]
 
-    def norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, norm: Any, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[n, h]`` (contiguous fp32) through ``norm`` (a ``uag.runtime.lean._Norm``) with the
-        layers' own RMS norm, in place (no allocation after the weights' stream): the body's
-        final norm, on the path these layers take."""
+        layers' own RMS norm: the body's final norm, on the path these layers take. Into a new
+        tensor, or into ``out`` (contiguous, ``x``'s shape; may be ``x``): a decode step passes
+        its own hidden state, since an allocation after the weights' stream costs ~30 us."""
+        y = torch.empty_like(x) if out is None else out
         lib = self.body.layers[0].qkv.lib
         eps = ctypes.c_float(norm.eps)
         lib.uag_rms_norm_rows(
-            x.data_ptr(), x.shape[0], x.shape[1], norm.weight.data_ptr(), eps, x.data_ptr()
+            x.data_ptr(), x.shape[0], x.shape[1], norm.weight.data_ptr(), eps, y.data_ptr()
         )
-        return x
+        return y

@@ -388,7 +388,7 @@ class LeanBody:
             for lo in range(0, n, piece):  # a decode step or verify: one call; a prompt in pieces
                 self.native(hidden[lo : lo + piece], cache, start + lo, tables)
             cache.length = start + n
-            return self.native.norm(hidden, self.final_norm)  # in place: hidden is this call's
+            return self.native.norm(hidden, self.final_norm, out=hidden)  # this call's own
         positions = torch.arange(start, start + n, device=self.device)  # [n]
         rope = self.rope(positions, hidden.dtype)  # {kind: ([n, d], [n, d])}
         pad = self.pad_rows - n if n <= self.pad_rows else 0
