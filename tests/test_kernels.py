@@ -723,9 +723,66 @@ def test_screened_heads_exact_step_in_c_is_the_torch_paths(form, monkeypatch):
     assert full[2, 5] == full[2, 1500]
     rows = torch.arange(6)
     assert torch.equal(logits[rows, ids], full[rows, ids])
-    monkeypatch.setattr(ScreenedHead, "_exact_in_c", lambda *args: None)
+    monkeypatch.setattr(ScreenedHead, "_c_head", lambda self: None)  # step by step
+    stepwise = screened.greedy(x)
+    monkeypatch.setattr(ScreenedHead, "_exact_in_c", lambda *args: None)  # exact step in torch
     again, torch_logits = screened.greedy(x)
     assert again == ids and torch.equal(torch_logits, logits)
+    assert stepwise[0] == ids and torch.equal(stepwise[1], logits)
+
+
+@needs_native
+def test_screened_head_in_one_c_call_is_the_step_by_step_path(monkeypatch):
+    """``uag_screened_greedy`` (norms, channel order, outlier channels, the int8 product, the
+    screen, the exact step and the argmax in one C call) gives the step-by-step path's ids,
+    logits and candidate count bitwise: with and without outlier channels, each row alone as
+    in a batch, rows that need a second activation level (handed back to Python), and after
+    the tensors it points into are replaced (``set_outliers``) or moved (huge pages)."""
+    from uag.kernels import hugepages
+    from uag.kernels.screened import ScreenedHead
+
+    head = _gguf_like_linear(3000, 128, steps=127, seed=7)
+    head.bias = None  # Gemma's has none, and a bias would keep the flat row below from flat
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 128, generator=gen)
+    x[:, [3, 40, 77]] *= 20.0  # outlier channels, as Gemma's
+    x[4] *= 1e-5  # a flat row: logits far under the bound's slack, every id a candidate
+    fp32 = native.NativeLinear(head, exact_blocks=False)(x).argmax(-1).tolist()
+    screened = ScreenedHead(head)
+    handed_back = []
+    decide = ScreenedHead._decide
+    monkeypatch.setattr(
+        ScreenedHead, "_decide", lambda self, *a: handed_back.append(1) or decide(self, *a)
+    )
+
+    def both(rows: torch.Tensor) -> tuple[list[int], int]:
+        handed_back.clear()
+        ids, logits = screened.greedy(rows)
+        count, in_c = screened.last_candidates, not handed_back
+        with monkeypatch.context() as step_by_step:
+            step_by_step.setattr(ScreenedHead, "_c_head", lambda self: None)
+            again, torch_logits = screened.greedy(rows)
+        assert again == ids and torch.equal(torch_logits, logits)
+        assert screened.last_candidates == count
+        return ids, in_c
+
+    assert screened._c_head() is not None
+    for setup in ("plain", "outliers", "rescreen", "moved"):
+        if setup == "outliers":
+            screened.calibrate(x)  # new order and outlier tensors: the C struct is rebuilt
+            assert set(screened.outliers.tolist()) >= {3, 40, 77}
+        if setup == "rescreen":
+            screened.RESCREEN = 64  # the flat row: more than 64 candidates
+        if setup == "moved":
+            screened.RESCREEN = ScreenedHead.RESCREEN
+            before = screened._c_head()
+            hugepages.move(screened.streamed())
+            assert screened._c_head() is not before or not hugepages.available()
+        ids, in_c = both(x)
+        assert ids == fp32
+        assert in_c == (setup != "rescreen")  # a wide row hands the call back to Python
+        for row in range(len(x)):  # each row alone: the same id (row-count invariant)
+            assert both(x[row : row + 1])[0] == [fp32[row]]
 
 
 @pytest.mark.parametrize("form", ["block_int8", "fp32"])

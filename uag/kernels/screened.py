@@ -35,6 +35,12 @@ missed), which narrows its bound ~100-fold. Each row's path depends on that row 
 (row-count invariance).
 The split affects only speed: the bound holds for any choice of channels.
 
+Every step after the body's final norm is one C call (``uag_screened_greedy``: norms, channel
+order, product, screen, exact step, argmax) where the exact weight is in a kernel format: as
+~25 torch ops, each ran on caches the head's stream had just evicted (~0.6 ms of a 15 ms step;
+one call, 1-2 % off a target step on a Zen 3, the same bits). A row with more than
+``RESCREEN`` candidates hands the call back to Python for its second level.
+
 A non-candidate's fp32 logit is below some candidate's, so the argmax (ties to the lowest id,
 as everywhere) is exactly the fp32 head's, by construction, and a row's candidates and values do
 not depend on the other rows in the forward (every product is computed on its own). The
@@ -44,6 +50,7 @@ controller's confidence features are computed from.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -74,6 +81,22 @@ def error_bound(in_features: int) -> float:
     """
     gamma = (in_features + 2) * 2.0**-24
     return (0.5 + 2 * 127 * gamma) * 1.01
+
+
+class _Head(ctypes.Structure):
+    """``screen.c``'s ``uag_head``: the constants of one call of ``uag_screened_greedy``."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("in_", "padded_in", "outliers")),
+        *((name, ctypes.c_void_p) for name in ("order", "weight", "scale", "bias")),
+        *((name, ctypes.c_void_p) for name in ("wsum", "wsum_o")),
+        *((name, ctypes.c_int64) for name in ("padded_out", "quad0", "quads")),
+        *((name, ctypes.c_void_p) for name in ("coef", "coef2", "coef3")),
+        ("slack", ctypes.c_float),
+        ("vocab", ctypes.c_int64),
+        ("exact_format", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("exact_weight", "exact_params", "exact_bias")),
+    ]
 
 
 class ScreenedHead(nn.Module):
@@ -116,12 +139,14 @@ class ScreenedHead(nn.Module):
         self.invariance = "invariant"
         self.last_candidates = 0
         """Candidates in the last call (all rows together): how much exact work screening left."""
+        self._scratch_rows: tuple[torch.Tensor, ...] | None = None
 
     def set_outliers(self, channels: torch.Tensor) -> None:
         """Round ``channels``' activations on their own 7-bit scale, the rest on another.
 
         The int8 product's channels are stored with these last, so their row runs over only
         the last ``ceil(O / 4)`` quads (``q8.c``); integer sums do not depend on the order."""
+        self._head: tuple[tuple[Any, ...], _Head] | None = None  # the C call's, rebuilt
         channels = torch.unique(channels.long())
         width = self.approx.padded_in
         outlier = torch.zeros(width, dtype=torch.bool)
@@ -203,11 +228,45 @@ class ScreenedHead(nn.Module):
 
         The argmax is taken over the candidates only: a non-candidate's int8 logit is below
         the floor, which some candidate's exact logit reaches, so it can never win (not even a
-        tie), and no full-vocabulary argmax pass is needed.
+        tie), and no full-vocabulary argmax pass is needed. Where the exact weight is in a
+        kernel format, every step is one C call (``uag_screened_greedy``) unless a row needs
+        a second activation level.
         """
-        x = hidden.reshape(-1, self.in_features).float().contiguous()  # [n, h]
-        norms = x.abs().sum(dim=-1)
-        logits, missed = self.approximate(x)
+        x = hidden.reshape(-1, self.in_features)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()  # [n, h]
+        n, head = x.shape[0], self._c_head()
+        if head is None:
+            norms = x.abs().sum(dim=-1)
+            logits, missed = self.approximate(x)
+            ids = self._decide(x, logits, norms, missed)
+        else:
+            logits = torch.empty(n, self.approx.padded_out)
+            norms, missed, rows, cols, found = self._scratch(n)
+            count = self.approx.lib.uag_screened_greedy(  # type: ignore[union-attr]
+                ctypes.byref(head), x.data_ptr(), n, logits.data_ptr(), norms.data_ptr(),
+                missed.data_ptr(), rows.data_ptr(), cols.data_ptr(), rows.numel(),
+                self.RESCREEN, found.data_ptr(),
+            )  # fmt: skip
+            if count == -2:
+                raise RuntimeError("the screened head found no candidate in a row (NaN input?)")
+            if self.approx.padded_out != self.out_features:
+                logits = logits[:, : self.out_features]
+            if count >= 0:
+                self.last_candidates = count
+                ids = found[:n].tolist()
+            else:  # a row with more than RESCREEN candidates: from the C call's values on
+                ids = self._decide(x, logits, norms[:n], missed[:n])
+        if hidden.dim() == 2:
+            return ids, logits
+        return ids, logits.reshape(*hidden.shape[:-1], self.out_features)
+
+    def _decide(
+        self, x: torch.Tensor, logits: torch.Tensor, norms: torch.Tensor, missed: torch.Tensor
+    ) -> list[int]:
+        """The argmax per row from the approximate ``logits`` (patched in place with the
+        candidates' exact values), ``norms`` ``[n]`` and ``missed`` ``[n, 2]``: a second
+        activation level first for rows with more than ``RESCREEN`` candidates."""
         rows, cols = self._candidates(logits, norms, missed)
         if cols.numel() > self.RESCREEN:  # some row may have more: only then count them
             wide = (torch.bincount(rows, minlength=x.shape[0]) > self.RESCREEN).nonzero()[:, 0]
@@ -221,7 +280,63 @@ class ScreenedHead(nn.Module):
             exact = _exact_product(x, self.rows(union), self.bias, union)[rows, where]
             logits[rows, cols] = exact
             ids = _row_argmax(rows, cols, exact, x.shape[0])
-        return ids, logits.reshape(*hidden.shape[:-1], self.out_features)
+        return ids
+
+    def _c_head(self) -> _Head | None:
+        """``uag_screened_greedy``'s constants, or None where the exact weight is not in a
+        kernel format. Rebuilt when a tensor they point into has been replaced or moved
+        (``set_outliers``, ``uag.kernels.hugepages``) or the slack changed."""
+        exact, approx = self.exact, self.approx
+        if exact is None or approx.lib is None or FORMATS[exact.format].widen is None:
+            return None
+        tensors = (
+            self.order, approx.weight_ilv, approx.scales, approx.wsum, approx.bias_padded,
+            self.outlier_wsum, self.row_bound, self.row_l1, self.row_l1_out, exact.weight_ilv,
+        )  # fmt: skip
+        ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+        bias = None if self.bias is None else self.bias.data_ptr()
+        key = (*ptrs, exact.params_ptr(), bias, self.ABSOLUTE_SLACK)
+        if self._head is not None and self._head[0] == key:
+            return self._head[1]
+        head = _Head(
+            in_=self.in_features,
+            padded_in=approx.padded_in,
+            outliers=len(self.outliers),
+            order=key[0],
+            weight=key[1],
+            scale=key[2],
+            bias=key[4] or None,
+            wsum=key[3],
+            wsum_o=key[5] if len(self.outliers) else None,
+            padded_out=approx.padded_out,
+            quad0=self.outlier_quads.start,
+            quads=len(self.outlier_quads),
+            coef=key[6],
+            coef2=key[7],
+            coef3=key[8],
+            slack=self.ABSOLUTE_SLACK,
+            vocab=self.out_features,
+            exact_format=int(exact.format),
+            exact_weight=key[9],
+            exact_params=key[10],
+            exact_bias=bias,
+        )
+        self._head = (key, head)
+        return head
+
+    def _scratch(self, n: int) -> tuple[torch.Tensor, ...]:
+        """Per-call buffers for ``n`` rows, kept between calls (only the logits leave a call):
+        norms, missed, candidates' rows and ids (room for ``64 + RESCREEN`` a row), argmaxes."""
+        if self._scratch_rows is None or self._scratch_rows[0].numel() < n:
+            cap = (64 + self.RESCREEN) * n
+            self._scratch_rows = (
+                torch.empty(n),
+                torch.empty(n, 2),
+                torch.empty(cap, dtype=torch.int64),
+                torch.empty(cap, dtype=torch.int64),
+                torch.empty(n, dtype=torch.int64),
+            )
+        return self._scratch_rows
 
     def _exact_in_c(
         self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, logits: torch.Tensor

@@ -12,6 +12,7 @@
 
 struct uag_layer;   /* layer.c */
 struct uag_scratch; /* layer.c */
+struct uag_head;    /* screen.c */
 
 /* skinny.c: y[M, N] = x[M, K] @ w^T (+ bias) in [N/8][K][8], by format (formats.h) */
 void uag_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
@@ -71,10 +72,14 @@ void uag_decoder_layers(const struct uag_layer *layers, int64_t count, float *hi
 void uag_rms_norm_rows(const float *x, int64_t rows, int64_t n, const float *w, float eps,
                        float *y);
 
-/* screen.c: the greedy head's candidates; a draft step's statistics */
+/* screen.c: the greedy head's candidates, or the whole greedy head in one call; a draft
+ * step's statistics */
 int64_t uag_screen(const float *logits, int64_t M, int64_t V, int64_t ldl, const float *coef,
                    const float *xn, const float *coef2, const float *xr, const float *coef3,
                    const float *xo, float slack, int64_t *rows, int64_t *cols, int64_t cap);
 int64_t uag_draft_stats(const float *l, int64_t V, double *out);
+int64_t uag_screened_greedy(const struct uag_head *H, const float *x, int64_t M, float *logits,
+                            float *norms, float *missed, int64_t *rows, int64_t *cols,
+                            int64_t cap, int64_t limit, int64_t *ids);
 
 #endif

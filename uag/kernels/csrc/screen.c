@@ -181,3 +181,75 @@ int64_t uag_draft_stats(const float *l, int64_t V, double *out) {
     out[2] = log(zs) - ts / zs;
     return top;
 }
+
+/* The screened head's constants (uag/kernels/screened.py builds one per head). */
+typedef struct uag_head {
+    int64_t in, padded_in; /* hidden width; the int8 product's (a multiple of its quads) */
+    int64_t outliers;      /* channels on their own scale, stored last */
+    const int64_t *order;  /* [padded_in]: the input channel at each stored position */
+    const int8_t *weight;  /* the int8 product (q8.c) */
+    const float *scale, *bias;
+    const int32_t *wsum, *wsum_o; /* per output: all quads' weight sums; the outlier quads' */
+    int64_t padded_out, quad0, quads;
+    const float *coef, *coef2, *coef3; /* the bound's terms per vocabulary entry (uag_screen) */
+    float slack;
+    int64_t vocab;
+    int64_t exact_format; /* the exact weight, as skinny.c's formats (uag_exact_candidates) */
+    const void *exact_weight;
+    const float *exact_params, *exact_bias;
+} uag_head_t;
+
+/* A greedy head call in one: ||x||_1 per row, the activations in the product's channel order
+ * (the outliers apart), the int8 product with its bounds, the screen, the candidates' exact
+ * logits and each row's argmax: what screened.py's greedy did in ~25 torch ops, each slow on
+ * caches the head's 168 MB stream had just evicted (~0.6 ms of a 15 ms step on a Zen 3).
+ * Every step is the same code as before, so the same bits, except ||x||_1, summed here in
+ * double (torch summed floats): the bound only needs it to within its 1 % margin.
+ *
+ * x [M, in] contiguous; out: logits [M, padded_out], norms [M], missed [M, 2] (the two r of
+ * q8.c), candidates (rows, cols) with room for cap, ids [M]. Returns the candidates' count;
+ * -1 when a row has more than limit (or cap overflows): then logits, norms and missed are
+ * complete and the caller takes over (a second activation level); -2 when a row has none
+ * (NaN hidden states). Rows are computed on their own. */
+int64_t uag_screened_greedy(const struct uag_head *H, const float *x, int64_t M, float *logits,
+                            float *norms, float *missed, int64_t *rows, int64_t *cols,
+                            int64_t cap, int64_t limit, int64_t *ids) {
+    const int64_t K = H->in, Kp = H->padded_in, split = Kp - H->outliers;
+    float *rest = (float *)malloc(sizeof(float) * (size_t)(M * Kp));
+    float *xo = H->outliers ? (float *)calloc((size_t)(M * Kp), sizeof(float)) : NULL;
+    float *r = (float *)malloc(sizeof(float) * (size_t)(2 * M)), *r_o = r + M;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        double sum = 0.0;
+        for (int64_t k = 0; k < K; k++) sum += fabs((double)xm[k]);
+        norms[m] = (float)sum;
+        float *rm = rest + m * Kp;
+        for (int64_t p = 0; p < Kp; p++) {
+            const int64_t c = H->order[p];
+            const float v = c < K ? xm[c] : 0.0f;
+            if (p < split) {
+                rm[p] = v;
+            } else {
+                rm[p] = 0.0f;
+                xo[m * Kp + p] = v;
+            }
+        }
+        r_o[m] = 0.0f;
+    }
+    uag_linear_q8(rest, Kp, M, Kp, H->weight, H->scale, H->wsum, H->padded_out, H->bias, logits,
+                  H->padded_out, 1, r, xo, Kp, r_o, H->quad0, H->quads, H->wsum_o);
+    free(rest), free(xo);
+    for (int64_t m = 0; m < M; m++) missed[2 * m] = r[m], missed[2 * m + 1] = r_o[m];
+    int64_t count = uag_screen(logits, M, H->vocab, H->padded_out, H->coef, norms, H->coef2, r,
+                               H->coef3, r_o, H->slack, rows, cols, cap);
+    free(r);
+    if (count < 0) return -1;
+    for (int64_t i = 0, run = 0; i < count; i++) {
+        run = i > 0 && rows[i] == rows[i - 1] ? run + 1 : 1;
+        if (run > limit) return -1;
+    }
+    if (uag_exact_candidates(H->exact_format, H->exact_weight, H->exact_params, K, x, K, M,
+                             H->exact_bias, rows, cols, count, logits, H->padded_out, ids) < 0)
+        return -2;
+    return count;
+}
