@@ -755,7 +755,7 @@ def test_screened_head_in_one_c_call_is_the_step_by_step_path(monkeypatch):
         ScreenedHead, "_decide", lambda self, *a: handed_back.append(1) or decide(self, *a)
     )
 
-    def both(rows: torch.Tensor) -> tuple[list[int], int]:
+    def both(rows: torch.Tensor) -> tuple[list[int], bool]:
         handed_back.clear()
         ids, logits = screened.greedy(rows)
         count, in_c = screened.last_candidates, not handed_back
