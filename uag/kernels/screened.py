@@ -286,43 +286,51 @@ class ScreenedHead(nn.Module):
         """``uag_screened_greedy``'s constants, or None where the exact weight is not in a
         kernel format. Rebuilt when a tensor they point into has been replaced or moved
         (``set_outliers``, ``uag.kernels.hugepages``) or the slack changed."""
-        exact, approx = self.exact, self.approx
-        if exact is None or approx.lib is None or FORMATS[exact.format].widen is None:
+        exact, approx = self._exact_in_kernels(), self.approx
+        if exact is None:
             return None
-        tensors = (
-            self.order, approx.weight_ilv, approx.scales, approx.wsum, approx.bias_padded,
-            self.outlier_wsum, self.row_bound, self.row_l1, self.row_l1_out, exact.weight_ilv,
-        )  # fmt: skip
-        ptrs = [0 if t is None else t.data_ptr() for t in tensors]
-        bias = None if self.bias is None else self.bias.data_ptr()
-        key = (*ptrs, exact.params_ptr(), bias, self.ABSOLUTE_SLACK)
+
+        def at(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        where = {
+            "order": at(self.order),
+            "weight": at(approx.weight_ilv),
+            "scale": at(approx.scales),
+            "bias": at(approx.bias_padded),
+            "wsum": at(approx.wsum),
+            "wsum_o": at(self.outlier_wsum) if len(self.outliers) else None,
+            "coef": at(self.row_bound),
+            "coef2": at(self.row_l1),
+            "coef3": at(self.row_l1_out),
+            "exact_weight": at(exact.weight_ilv),
+            "exact_params": exact.params_ptr(),
+            "exact_bias": at(self.bias),
+        }
+        key = (*where.values(), self.ABSOLUTE_SLACK)
         if self._head is not None and self._head[0] == key:
             return self._head[1]
         head = _Head(
+            **where,
             in_=self.in_features,
             padded_in=approx.padded_in,
             outliers=len(self.outliers),
-            order=key[0],
-            weight=key[1],
-            scale=key[2],
-            bias=key[4] or None,
-            wsum=key[3],
-            wsum_o=key[5] if len(self.outliers) else None,
             padded_out=approx.padded_out,
             quad0=self.outlier_quads.start,
             quads=len(self.outlier_quads),
-            coef=key[6],
-            coef2=key[7],
-            coef3=key[8],
             slack=self.ABSOLUTE_SLACK,
             vocab=self.out_features,
             exact_format=int(exact.format),
-            exact_weight=key[9],
-            exact_params=key[10],
-            exact_bias=bias,
         )
         self._head = (key, head)
         return head
+
+    def _exact_in_kernels(self) -> NativeLinear | None:
+        """The exact weight where the kernels read it (``uag_exact_candidates``), else None."""
+        exact = self.exact
+        if exact is None or self.approx.lib is None or FORMATS[exact.format].widen is None:
+            return None
+        return exact
 
     def _scratch(self, n: int) -> tuple[torch.Tensor, ...]:
         """Per-call buffers for ``n`` rows, kept between calls (only the logits leave a call):
@@ -344,8 +352,8 @@ class ScreenedHead(nn.Module):
         """The candidates' exact logits into ``logits`` and each row's argmax, in one C call
         (``skinny.c``: the full product's own chain of multiply-adds for each), where the exact
         weight is held in the kernels' layout; else None."""
-        exact, lib = self.exact, self.approx.lib
-        if exact is None or lib is None or FORMATS[exact.format].widen is None:
+        exact, lib = self._exact_in_kernels(), self.approx.lib
+        if exact is None or lib is None:
             return None
         ids = torch.empty(x.shape[0], dtype=torch.int64)
         done = lib.uag_exact_candidates(
