@@ -125,15 +125,9 @@ def _setting(meta: dict[str, Any], key: str) -> Any:
     return meta.get(key, "greedy" if key == "decoding" else None)
 
 
-def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
-    """Read every Parquet part of ``dirs``; refuse runs whose schema or feature names differ,
-    and (unless ``allow_mixed``) runs of another pair, assistant precision, decoding mode or
-    latency device."""
-    # pyarrow is slow to import, and uag.harness.collect (imported by the CLI) imports this module.
-    import pyarrow.parquet as pq
-
-    if not dirs:
-        raise UagError("no --data directory given")
+def _run_files(dirs: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[Path]]:
+    """Every run's metas (each with its directory, for the errors) and Parquet parts; a run
+    that is not a collect output directory is refused by name."""
     metas: list[tuple[Path, dict[str, Any]]] = []
     parts: list[Path] = []
     for run in dirs:
@@ -144,6 +138,12 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
         if not found:
             raise UagError(f"{run} holds no collected parts (part-*.parquet)")
         parts += found
+    return metas, parts
+
+
+def _check_agreement(metas: list[tuple[Path, dict[str, Any]]], *, allow_mixed: bool) -> None:
+    """Every run against the first: ``MUST_MATCH`` always, ``SHOULD_MATCH`` unless
+    ``allow_mixed``; the error names both runs and both values."""
     first_dir, first = metas[0]
     for run, meta in metas[1:]:
         for key in MUST_MATCH + (() if allow_mixed else SHOULD_MATCH):
@@ -153,10 +153,19 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
                     f"runs disagree on {key}: {first_dir} has {_setting(first, key)!r}, "
                     f"{run} has {_setting(meta, key)!r}{hint}"
                 )
+
+
+def _read_parts(parts: list[Path]) -> tuple[Any, str]:
+    """The parts as one pyarrow table (a column some parts lack: nulls there) and the sha256
+    over their bytes; an empty or unreadable part, or parts of clashing schemas, is one clear
+    error."""
+    # pyarrow is slow to import, and uag.harness.collect (imported by the CLI) imports this module.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     for part in parts:
         if part.stat().st_size == 0:
             raise UagError(f"{part} is empty: not a Parquet part (delete it and --resume)")
-    names = list(first["feature_names"])
     digest = hashlib.sha256()
     frames = []
     for part in parts:
@@ -165,23 +174,32 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
             frames.append(pq.read_table(part))
         except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
             raise UagError(f"{part} is not a readable Parquet part ({err})") from None
-    # pyarrow: deferred, as in load_runs.
-    import pyarrow as pa
-
     try:
         table = pa.concat_tables(frames, promote_options="default")  # missing columns: nulls
     except pa.ArrowInvalid as err:
         raise UagError(f"the collected parts do not share one schema ({err})") from None
+    return table, digest.hexdigest()
+
+
+def _columns(table: Any, *, names: list[str], dirs: list[Path]) -> dict[str, np.ndarray]:
+    """The table's columns as arrays, once it is known to hold the feature columns and rows.
+    Fixed-lookahead runs lack ``explored`` and ``propensity`` values: every round was drafted
+    in full, so they read 1."""
     missing = [n for n in names if n not in table.column_names]
     if missing:
         raise UagError(f"collected parts lack feature columns {missing}")
     if table.num_rows == 0:
         raise UagError(f"{', '.join(map(str, dirs))}: the collected parts hold no rows")
     data = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
-    for name in ("explored", "propensity"):  # fixed-lookahead runs: every round drafted in full
+    for name in ("explored", "propensity"):
         if name in data:
             data[name] = np.nan_to_num(data[name].astype(np.float32), nan=1.0)
-    features = np.stack([data[n].astype(np.float32) for n in names], axis=1)
+    return data
+
+
+def _labels_and_targets(data: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the outcomes, the soft labels of sampling runs or None); refuses one label class, which
+    teaches nothing, and soft labels on only some rows, which would train two things at once."""
     labels = data["accepted"].astype(np.float32)
     if len(np.unique(labels)) < 2:
         raise UagError(
@@ -195,6 +213,23 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
             raise UagError(
                 "some runs hold soft labels (sampling) and some do not: train them apart"
             )
+    return labels, targets
+
+
+def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
+    """Read every Parquet part of ``dirs``; refuse runs whose schema or feature names differ,
+    and (unless ``allow_mixed``) runs of another pair, assistant precision, decoding mode or
+    latency device."""
+    if not dirs:
+        raise UagError("no --data directory given")
+    metas, parts = _run_files(dirs)
+    _check_agreement(metas, allow_mixed=allow_mixed)
+    first = metas[0][1]
+    names = list(first["feature_names"])
+    table, data_hash = _read_parts(parts)
+    data = _columns(table, names=names, dirs=dirs)
+    features = np.stack([data[n].astype(np.float32) for n in names], axis=1)
+    labels, targets = _labels_and_targets(data)
     rest = {k: v for k, v in data.items() if k not in ("accepted", "accept_prob")}  # (rate stays)
     return Collected(
         features=features,
@@ -204,7 +239,7 @@ def load_runs(dirs: list[Path], *, allow_mixed: bool = False) -> Collected:
         feature_names=names,
         schema_version=int(first["schema_version"]),
         meta=first,
-        data_hash=digest.hexdigest(),
+        data_hash=data_hash,
         targets=targets,
     )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, BinaryCalibrationError
@@ -13,10 +12,13 @@ from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, Bin
 from training import replay
 from training.data import Collected
 from training.model import ControllerNet
+from training.steps import SplitSteps
 from uag.decoding.features import to_gate_rows
 
 
-class ControllerModule(L.LightningModule):
+class ControllerModule(SplitSteps):
+    net: ControllerNet
+
     def __init__(
         self,
         net: ControllerNet,
@@ -70,12 +72,6 @@ class ControllerModule(L.LightningModule):
         )
         return loss
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "val")
-
     def on_validation_epoch_end(self) -> None:
         if self.val_data is None or self.trainer.sanity_checking:
             return
@@ -101,9 +97,6 @@ class ControllerModule(L.LightningModule):
             "val/sim_speedup_vs_target": learned.speedup,
             "val/sim_speedup_vs_best_static": learned.tokens_per_s / best_static.tokens_per_s,
         }
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
 
 
 def predict(net: ControllerNet, features: np.ndarray) -> np.ndarray:

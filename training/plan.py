@@ -34,10 +34,11 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from controllers.plan import ActionPrices, action_price, plan_choice
+from training.model import Standardised, hidden_layers
+from training.steps import SplitSteps
 from uag.decoding.actions import ActionSet, Copy, Draft
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan_features import PLAN_FEATURE_NAMES, PLAN_SCHEMA_VERSION
@@ -201,32 +202,18 @@ def _shape(actions: ActionSet) -> tuple[int, int]:
     return copies, drafts
 
 
-class PlanNet(nn.Module):
+class PlanNet(Standardised):
     """Standardise → MLP → per-action expected tokens ``[N, A]`` (module docstring)."""
 
     def __init__(
         self, n_features: int, actions: ActionSet, hidden: Sequence[int] = (64, 64)
     ) -> None:
-        super().__init__()
+        super().__init__(n_features)
         self.copies, self.drafts = _shape(actions)
-        self.mean: torch.Tensor
-        self.std: torch.Tensor
-        self.register_buffer("mean", torch.zeros(n_features))
-        self.register_buffer("std", torch.ones(n_features))
-        layers: list[nn.Module] = []
-        width = n_features
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
+        layers, width = hidden_layers(n_features, hidden)
         self.trunk = nn.Sequential(*layers)
         self.copy_head = nn.Linear(width, max(self.copies, 1))
         self.draft_head = nn.Linear(width, max(self.drafts, 1))
-
-    def set_normalisation(self, features: np.ndarray) -> None:
-        std = features.std(axis=0)
-        std[std < 1e-6] = 1.0
-        self.mean.copy_(torch.from_numpy(features.mean(axis=0).astype(np.float32)))
-        self.std.copy_(torch.from_numpy(std.astype(np.float32)))
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(copy hazard logits [N, C], draft increments [N, D] ≥ 0)."""
@@ -267,16 +254,18 @@ def copy_targets(data: PlanData, copies: int) -> tuple[np.ndarray, np.ndarray]:
     return label.clip(0.0, 1.0).astype(np.float32), weight.astype(np.float32)
 
 
-class PlanModule(L.LightningModule):
+class PlanModule(SplitSteps):
     """Copy hazards by masked BCE, draft yields by squared error; each validation epoch logs
     the per-round replay figures of ``evaluate`` on the tune split."""
+
+    net: PlanNet
 
     def __init__(self, net: PlanNet, *, lr: float = 3e-3, val: PlanData | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["net", "val"])
         self.net, self.lr, self.val = net, lr, val
 
-    def _loss(self, batch: Any, split: str) -> torch.Tensor:
+    def _step(self, batch: Any, split: str) -> torch.Tensor:
         x, copy_y, copy_m, draft_y = batch
         hazard, increments = self.net.heads(x)
         bce = nn.functional.binary_cross_entropy_with_logits(hazard, copy_y, reduction="none")
@@ -291,12 +280,6 @@ class PlanModule(L.LightningModule):
         self.log(f"{split}/loss", loss, on_step=False, on_epoch=True, prog_bar=split == "val")
         return loss
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch, "train")
-
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch, "val")
-
     def on_validation_epoch_end(self) -> None:
         if self.val is None or self.trainer.sanity_checking:
             return
@@ -304,9 +287,6 @@ class PlanModule(L.LightningModule):
         figures = evaluate(self.val, expected, rate_factor=2.0)
         self.log("val/per_round_vs_lookup", figures["learned"] / figures["lookup"])
         self.log("val/per_round_vs_target", figures["learned"])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
 
 
 def tensors(data: PlanData, net: PlanNet) -> torch.utils.data.TensorDataset:
@@ -436,24 +416,24 @@ class PlanSummary:
         return "\n".join(lines)
 
 
-def train_plan(cfg: Any, *, replayer: Any = None) -> PlanSummary:
-    """A ``TrainConfig`` whose data is one ``uag collect --plan`` run → an exported plan.
-    ``replayer`` (``uag.harness.plan_replay.Replayer``; the harness floor, which loads models):
-    whole-run exact replay to choose R on the tune prompts and report on the report prompts;
-    None: R chosen per round."""
-    from training.export import export_onnx
-    from training.train import _trainer
-
-    data = load_plan_data(list(cfg.data))
+def _nonempty_splits(data: PlanData) -> dict[str, PlanData]:
+    """The collection split by prompt (``SPLITS``); every split must hold a prompt, since each
+    has a job (fit, choose R, report)."""
     splits = {name: data.split(name) for name in SPLITS}
     for name, part in splits.items():
         if not len(part.features):
             raise UagError(
                 f"the {name} split holds no prompts: collect more prompts (about 20 or more)"
             )
-    L.seed_everything(cfg.seed, verbose=False)
-    trainer = _trainer(cfg)
-    net = PlanNet(len(PLAN_FEATURE_NAMES), data.actions, hidden=cfg.hidden)
+    return splits
+
+
+def _fit_plan(
+    cfg: Any, *, trainer: L.Trainer, actions: ActionSet, splits: dict[str, PlanData]
+) -> PlanNet:
+    """A network normalised on the train split and fitted by Lightning, validated on the tune
+    split; returned on the CPU in eval mode, for replay and export."""
+    net = PlanNet(len(PLAN_FEATURE_NAMES), actions, hidden=cfg.hidden)
     net.set_normalisation(splits["train"].features)
     module = PlanModule(net, lr=cfg.lr, val=splits["tune"])
     train_loader = torch.utils.data.DataLoader(
@@ -461,60 +441,111 @@ def train_plan(cfg: Any, *, replayer: Any = None) -> PlanSummary:
     )
     val_loader = torch.utils.data.DataLoader(tensors(splits["tune"], net), batch_size=4096)
     trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
-    net = net.cpu().eval()
+    return net.cpu().eval()
+
+
+def _plan_metadata(data: PlanData, *, rate: float, figures: dict[str, Any]) -> dict[str, Any]:
+    """The exported plan's contract (what the runtime reads to price and choose) and its
+    provenance, with ``figures`` (the speed-ups it reports) at the end."""
+    meta = data.meta
+    settings = meta.get("settings", {})
+    return {
+        "kind": "plan",
+        "plan_schema_version": str(PLAN_SCHEMA_VERSION),
+        "feature_names": list(PLAN_FEATURE_NAMES),
+        "actions": list(data.actions.names),
+        "rate_factor": f"{rate:.6f}",
+        "decoding": meta.get("decoding", "greedy"),
+        "temperatures": meta.get("temperatures", []),
+        "target": settings.get("target", "?"),
+        "assistant": settings.get("assistant", "?"),
+        "assistant_int8": json.dumps(bool(settings.get("assistant_int8", False))),
+        "draft_vocab": str(int(settings.get("draft_vocab") or 0)),
+        "latency_profile": meta["latency_profile"],
+        "train_prompt_ids": json.dumps(data.prompts_in("train") + data.prompts_in("tune")),
+        "report_prompt_ids": json.dumps(data.prompts_in("report")),
+        "figures_on": "report",
+        **figures,
+    }
+
+
+@dataclass
+class _PlanExport:
+    """Writes the plan file at ``out``, as often as the rate is chosen anew: whole-run replay
+    runs the written file itself."""
+
+    net: PlanNet
+    data: PlanData
+    out: Path
+    check_rows: np.ndarray
+    """Rows the ONNX parity check runs on (the tune split's)."""
+
+    def write(self, *, rate: float, figures: dict[str, Any]) -> float:
+        """Export at ``rate`` with ``figures``; the largest ONNX-vs-torch difference."""
+        from training.export import export_onnx
+
+        return export_onnx(
+            self.net,
+            self.out,
+            metadata=_plan_metadata(self.data, rate=rate, figures=figures),
+            check_rows=self.check_rows,
+            output_name="expected_tokens",
+        )
+
+
+def _can_replay(data: PlanData) -> bool:
+    """Whole-run exact replay needs greedy decoding and the text of every tune and report
+    prompt."""
+    greedy = data.meta.get("decoding", "greedy") == "greedy"
+    ids = data.prompts_in("tune") + data.prompts_in("report")
+    return greedy and all(i in data.texts for i in ids)
+
+
+def _replay_whole_runs(
+    export: _PlanExport, *, replayer: Any, rate_factor: float, figures: dict[str, Any]
+) -> tuple[float, dict[str, dict[str, float]]]:
+    """Whole runs, not rounds: R is chosen where a choice's effect on later rounds counts (on
+    the tune prompts, over ``REPLAY_GRID``), then the report prompts are replayed at it; adds
+    their figures to ``figures``. Returns (R, the replayed figures per split)."""
+    data = export.data
+    tune_ids, report_ids = data.prompts_in("tune"), data.prompts_in("report")
+    replayed: dict[str, dict[str, float]] = {}
+    export.write(rate=rate_factor, figures=figures)
+    replay = replayer(data)
+    replayed["tune"] = replay(export.out, tune_ids, grid=REPLAY_GRID)
+    rate_factor = max(REPLAY_GRID, key=lambda k: replayed["tune"][f"learned@{k:g}"])
+    export.write(rate=rate_factor, figures=figures)
+    replayed["report"] = replay(export.out, report_ids, grid=(rate_factor,))
+    figures["replay_speedup"] = {k: round(v, 4) for k, v in replayed["report"].items()}
+    return rate_factor, replayed
+
+
+def train_plan(cfg: Any, *, replayer: Any = None) -> PlanSummary:
+    """A ``TrainConfig`` whose data is one ``uag collect --plan`` run → an exported plan.
+    ``replayer`` (``uag.harness.plan_replay.Replayer``; the harness floor, which loads models):
+    whole-run exact replay to choose R on the tune prompts and report on the report prompts;
+    None: R chosen per round."""
+    from training.train import _log_summary, _tensorboard, _trainer
+
+    data = load_plan_data(list(cfg.data))
+    splits = _nonempty_splits(data)
+    L.seed_everything(cfg.seed, verbose=False)
+    trainer = _trainer(cfg)
+    net = _fit_plan(cfg, trainer=trainer, actions=data.actions, splits=splits)
     rate_factor, tuned = tune_rate(splits["tune"], predict(net, splits["tune"].features))
     reported = evaluate(
         splits["report"], predict(net, splits["report"].features), rate_factor=rate_factor
     )
-    meta = data.meta
-    settings = meta.get("settings", {})
-    greedy = meta.get("decoding", "greedy") == "greedy"
-
-    def metadata(rate: float, figures: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "kind": "plan",
-            "plan_schema_version": str(PLAN_SCHEMA_VERSION),
-            "feature_names": list(PLAN_FEATURE_NAMES),
-            "actions": list(data.actions.names),
-            "rate_factor": f"{rate:.6f}",
-            "decoding": meta.get("decoding", "greedy"),
-            "temperatures": meta.get("temperatures", []),
-            "target": settings.get("target", "?"),
-            "assistant": settings.get("assistant", "?"),
-            "assistant_int8": json.dumps(bool(settings.get("assistant_int8", False))),
-            "draft_vocab": str(int(settings.get("draft_vocab") or 0)),
-            "latency_profile": meta["latency_profile"],
-            "train_prompt_ids": json.dumps(data.prompts_in("train") + data.prompts_in("tune")),
-            "report_prompt_ids": json.dumps(data.prompts_in("report")),
-            "figures_on": "report",
-            **figures,
-        }
-
     figures: dict[str, Any] = {"per_round_speedup": {k: round(v, 4) for k, v in reported.items()}}
     replayed: dict[str, dict[str, float]] = {}
-    check = splits["tune"].features
-    export: dict[str, Any] = {"check_rows": check, "output_name": "expected_tokens"}
-    tune_ids, report_ids = data.prompts_in("tune"), data.prompts_in("report")
-    can_replay = greedy and all(i in data.texts for i in tune_ids + report_ids)
-    if replayer is not None and cfg.replay and can_replay:
-        # Whole runs, not rounds: R is chosen where a choice's effect on later rounds counts.
-        export_onnx(net, cfg.out, metadata=metadata(rate_factor, figures), **export)
-        replay = replayer(data)
-        replayed["tune"] = replay(cfg.out, tune_ids, grid=REPLAY_GRID)
-        rate_factor = max(REPLAY_GRID, key=lambda k: replayed["tune"][f"learned@{k:g}"])
-        export_onnx(net, cfg.out, metadata=metadata(rate_factor, figures), **export)
-        replayed["report"] = replay(cfg.out, report_ids, grid=(rate_factor,))
-        figures["replay_speedup"] = {k: round(v, 4) for k, v in replayed["report"].items()}
-    diff = export_onnx(net, cfg.out, metadata=metadata(rate_factor, figures), **export)
-    logger = trainer.logger
-    assert isinstance(logger, TensorBoardLogger)
-    logger.experiment.add_text(
-        "summary",
-        "```\n"
-        + "\n".join(f"{k}: {v}" for k, v in metadata(rate_factor, figures).items())
-        + "\n```",
-    )
-    logger.experiment.flush()
+    export = _PlanExport(net=net, data=data, out=cfg.out, check_rows=splits["tune"].features)
+    if replayer is not None and cfg.replay and _can_replay(data):
+        rate_factor, replayed = _replay_whole_runs(
+            export, replayer=replayer, rate_factor=rate_factor, figures=figures
+        )
+    diff = export.write(rate=rate_factor, figures=figures)
+    logger = _tensorboard(trainer)
+    _log_summary(logger, _plan_metadata(data, rate=rate_factor, figures=figures))
     return PlanSummary(
         out=cfg.out,
         rate_factor=rate_factor,
