@@ -41,7 +41,7 @@ demo: $(STAMP)
 
 ## The test suite CI runs (real-pair tests included; `-m slow` ones excluded).
 test: $(STAMP)
-	$(BIN)/ruff check uag controllers training tests
+	$(BIN)/ruff check uag controllers training tests scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
@@ -52,12 +52,12 @@ test-all: $(STAMP)
 
 ## Ruff, mypy, and the import floors (pyproject.toml's [tool.importlinter]: no cycles, no climbs).
 lint: $(STAMP)
-	$(BIN)/ruff check uag controllers training tests
+	$(BIN)/ruff check uag controllers training tests scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 bench-runtime: $(STAMP)
-	$(BIN)/python -m uag.harness.runtime_bench
+	$(BIN)/python -m scripts.runtime_bench
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,11 +1,11 @@
 """Two builds of uag, interleaved on the same prompts: same tokens? same speed?
 
-    python -m uag.harness.ab --old /tmp/old-checkout --new . \\
+    python -m scripts.ab --old /tmp/old-checkout --new . \\
         --prompts humaneval:test+mixed:test --limit 15 --repeats 2 \\
         --policies target-only,static-2,learned,lookup,learned+lookup
 
 Why this shape: two builds cannot share a process (same module names), so each runs in its
-own worker process (``uag.harness.ab_worker``) and the driver sends every (prompt, arm) to both,
+own worker process (``scripts.ab_worker``) and the driver sends every (prompt, arm) to both,
 one after the other, alternating which goes first. Measured here, the *process* matters too: of
 two identical builds, the one in the worker started second ran 0-8 % slower (memory placement
 of its streamed weights, most likely). So the run is made twice with the workers' start order
@@ -147,7 +147,7 @@ def table(rows: list[Pairing], arms: list[str], *, seed: int = 0) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m uag.harness.ab",
+        prog="python -m scripts.ab",
         description="interleaved A/B of two uag checkouts on the same prompts and arms "
         "(tokens compared, time ratios with the worker-slot effect cancelled)",
     )

@@ -1,4 +1,4 @@
-"""One build's side of ``python -m uag.harness.ab``: run as a script with that build's tree first
+"""One build's side of ``python -m scripts.ab``: run as a script with that build's tree first
 on ``PYTHONPATH``; it loads the pair and the bench arms once, then answers one JSON request per
 line on stdin (``{"prompt": i, "arm": name}``) with ``{"ids": [...], "seconds": s}``.
 
@@ -25,8 +25,8 @@ def main() -> None:
     args = parser.parse_args()
     try:
         from uag.harness import bench
-        from uag.harness.calibration import lookup_lengths
         from uag.harness.prompts import load_prompts
+        from uag.recipes import lookup_lengths
     except ImportError:  # a build from before the floors
         from uag import bench  # type: ignore[attr-defined,no-redef]
         from uag.calibration import lookup_lengths  # type: ignore[import-not-found,no-redef]

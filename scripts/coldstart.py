@@ -2,11 +2,11 @@
 prepared models, beside the import of torch and Transformers.
 
     git worktree add /tmp/cold-old 4504b17
-    python -m uag.harness.coldstart --old /tmp/cold-old --new . --repeats 7
+    python -m scripts.coldstart --old /tmp/cold-old --new . --repeats 7
 
 Why this shape: a cold start is a whole process (interpreter, imports, loading, exit), so each
 run is a fresh ``python -m uag generate`` under the build's checkout (``PYTHONPATH``, as
-``uag.harness.ab`` runs its two builds); the two builds and the import baseline take turns,
+``scripts.ab`` runs its two builds); the two builds and the import baseline take turns,
 in an order rotated every repeat, so that a machine getting busier or quieter moves all three
 alike, and each is reported as the median of its repeats.
 
@@ -172,7 +172,7 @@ def table(times: dict[str, list[float]], *, load: tuple[float, float] | None = N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m uag.harness.coldstart",
+        prog="python -m scripts.coldstart",
         description="cold start of a one-token uag generate for two checkouts, interleaved, "
         "beside the import of torch and Transformers (medians of --repeats rounds)",
     )

@@ -13,7 +13,7 @@ reduction over a buffer larger than the last-level cache, and times the steps:
 * the assistant's draft step: its body and its draft head (the draft vocabulary's rows).
 
 ``ratio`` is the step's median time over its floor: 1.0 would read every byte at the
-bandwidth a plain reduction reaches. Used by ``python -m uag.harness.runtime_bench
+bandwidth a plain reduction reaches. Used by ``python -m scripts.runtime_bench
 --floor-table``.
 """
 
@@ -199,6 +199,10 @@ def assistant_floor(pair: Any, *, bandwidth: float, context: int, repeats: int) 
     )
 
 
+def _mb(size: float) -> str:
+    return f"{size / 1e6:.1f}" if size >= 1e6 else f"{size / 1e6:.6f}"
+
+
 def floor_table(pair: Any, *, context: int = 110, repeats: int = 7) -> str:
     """The read-floor table for ``pair`` on this machine, as Markdown."""
     bandwidth = read_bandwidth(repeats=repeats)
@@ -258,7 +262,6 @@ def layout_table(
                 times[name].setdefault(cost.rows, []).append(cost.total_ms)
     same = _same_hidden(pairs["int8"].target_lm, pairs["packed"].target_lm,
                         pairs["int8"].target.tokenizer, context=context, max_rows=max_rows)  # fmt: skip
-    mb = 1e6
     body = {name: slot_bytes(p.target_lm.lean.streamed()) for name, p in pairs.items()}
     packed = sum(
         getattr(m, "x8_bits", 8) < 8
@@ -266,7 +269,8 @@ def layout_table(
         for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
     )
     lines = [
-        f"body MB: int8 {body['int8'] / mb:.1f}, packed {body['packed'] / mb:.1f} "
+        # to the byte below 1 MB: a tiny test model's two bodies differ in the fourth decimal
+        f"body MB: int8 {_mb(body['int8'])}, packed {_mb(body['packed'])} "
         f"({packed} products packed); context {context} tokens; medians of {rounds} "
         f"alternating rounds; kernels {pairs['int8'].kernels}; hidden states of 1-{max_rows} "
         f"rows bitwise the same: {'yes' if same else 'NO'}",

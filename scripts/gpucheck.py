@@ -1,6 +1,6 @@
 """The GPU check, in one short run: greedy identity on the nasty prompts per dtype, then speed.
 
-``python -m uag.harness.gpucheck --target T.gguf --assistant A.gguf --out DIR`` on a machine
+``python -m scripts.gpucheck --target T.gguf --assistant A.gguf --out DIR`` on a machine
 with a GPU (``--device cpu`` runs the same on a CPU, for a dry run). For each ``--dtypes``
 entry it loads the pair on the device (the plain path, checked for row-count invariance at load,
 ``uag.runtime.invariance``), and for every nasty prompt compares target-alone with a lookahead-6
@@ -58,19 +58,18 @@ ARMS = ("target-only", "lookup", "static-1", "static-2", "static-4", "static-2+l
 
 
 def _arm(name: str):
-    """(policy, lookup) for ``uag.generate``; target-only is (None, None)."""
+    """The arm's plan for ``uag.generate``; target-only is None (the target alone)."""
     if name == "target-only":
-        return None, None
-    spec = parse_policy(name)
-    return spec.build(), spec.make_lookup()
+        return None
+    return parse_policy(name).plan()
 
 
 def _run(pair, prompt: str, arm: str, tokens: int, device: torch.device):
-    policy, lookup = _arm(arm)
+    plan = _arm(arm)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    out = uag.generate(pair, prompt, policy=policy, lookup=lookup, max_new_tokens=tokens)
+    out = uag.generate(pair, prompt, plan=plan, max_new_tokens=tokens)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out.token_ids, time.perf_counter() - start

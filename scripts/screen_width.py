@@ -1,6 +1,6 @@
 """How many candidates a coarser first screening pass over the target's head would leave.
 
-    python -m uag.harness.screen_width [--prompts mixed:test+humaneval:test] [--limit 4]
+    python -m scripts.screen_width [--prompts mixed:test+humaneval:test] [--limit 4]
 
 Why: the screened head (``uag.kernels.screened``) reads an int8 copy of Gemma 3's 262,144-row
 head every step (~173 MB of a ~296 MB step), and a 4-bit first pass would halve that, *if* its
@@ -73,7 +73,7 @@ def decode_hidden(pair: api.Pair, prompts: list[str], *, tokens: int) -> torch.T
     head.greedy = record  # type: ignore[method-assign]
     try:
         for prompt in prompts:
-            api.generate(pair, prompt, policy=None, max_new_tokens=tokens)
+            api.generate(pair, prompt, plan=None, max_new_tokens=tokens)
     finally:
         del head.greedy  # the class's method again
     return torch.cat(seen)
@@ -120,7 +120,7 @@ def _count(logits: torch.Tensor, bound: torch.Tensor) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m uag.harness.screen_width", description=__doc__.splitlines()[0]
+        prog="python -m scripts.screen_width", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--prompts", default="mixed:test+humaneval:test")
     parser.add_argument("--limit", type=int, default=4, help="prompts per source")

@@ -1,4 +1,4 @@
-"""The two-build A/B's arithmetic (``uag.harness.ab``): a fixed per-worker-slot factor cancels,
+"""The two-build A/B's arithmetic (``scripts.ab``): a fixed per-worker-slot factor cancels,
 a real difference between builds does not, and token mismatches are counted."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from uag.harness.ab import Pairing, main, slot_cancelled, table
+from scripts.ab import Pairing, main, slot_cancelled, table
 
 
 def _rows(*, build: float, slot: float, prompts: int = 6) -> list[Pairing]:

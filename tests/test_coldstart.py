@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.coldstart import build_cache
 from tests.tiny import gguf_like_gemma, q8_0_like, tiny_llama
-from uag.harness.coldstart import build_cache
 from uag.kernels.native import native_unavailable
 from uag.paths import cache_root
 from uag.runtime import tokcache

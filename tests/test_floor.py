@@ -1,14 +1,15 @@
-"""The read-floor table (``uag.harness.floor``): bytes counted are the bytes the kernels hold."""
+"""The read-floor table (``scripts.floor``): bytes counted are the bytes the kernels hold."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
 
+from scripts import floor
 from tests.tiny import cross_pair, gguf_like_gemma, noisy_copy, q8_0_like
 from uag.api import make_pair
-from uag.harness import floor
 from uag.runtime.models import wrap_model
 
 
@@ -83,9 +84,9 @@ def test_the_table_has_a_row_per_step(tokenizers):
 
 
 def test_coarser_first_passes_leave_more_candidates(tokenizers):
-    """``uag.harness.screen_width`` on a tiny pair: every row keeps at least its argmax, and a
+    """``scripts.screen_width`` on a tiny pair: every row keeps at least its argmax, and a
     coarser per-row format never leaves fewer candidates than a finer one."""
-    from uag.harness import screen_width
+    from scripts import screen_width
 
     gemma_tok, _ = tokenizers
     model = gguf_like_gemma(len(gemma_tok))
@@ -109,9 +110,9 @@ def test_the_layout_table_times_both_layouts_and_checks_them_equal(tokenizers):
     gemma_tok, _ = tokenizers
     model = gguf_like_gemma(len(gemma_tok))
 
-    def load():
+    def load():  # each layout on its own copy: make_pair swaps the model's linears in place
         return make_pair(
-            wrap_model(model, gemma_tok, ref="layout-target"),
+            wrap_model(copy.deepcopy(model), gemma_tok, ref="layout-target"),
             wrap_model(noisy_copy(model, scale=0.05), gemma_tok, ref="layout-assistant"),
         )
 

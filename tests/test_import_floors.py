@@ -1,6 +1,6 @@
 """The import-floor check (``lint-imports``, configured in pyproject.toml) passes on the code as it
-is and fails once an upward import or a cycle is added: run on a copy of the three packages, so
-the check that CI runs is shown to catch what it is there for."""
+is and fails once an upward import or a cycle is added: run on a copy of the three packages (and
+scripts/), so the check that CI runs is shown to catch what it is there for."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def _copy(tmp_path: Path) -> Path:
-    """The Python sources of uag, controllers and training, and pyproject.toml, under tmp_path."""
-    for package in ("uag", "controllers", "training"):
+    """The Python sources of uag, controllers, training and scripts, and pyproject.toml, under
+    tmp_path."""
+    for package in ("uag", "controllers", "training", "scripts"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=_not_python)
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
@@ -60,6 +61,8 @@ def test_the_floors_hold_on_the_code_as_it_is(tmp_path):
         ),
         # Training reaching up into the harness (what training/data.py once did).
         ("training/data.py", "import uag.harness.collect", "training is not allowed to import"),
+        # The package reaching into the one-off scripts outside the wheel.
+        ("uag/api.py", "import scripts.floor", "uag is not allowed to import scripts"),
     ],
 )
 def test_an_added_upward_import_or_cycle_fails_the_check(tmp_path, module, line, broken):

@@ -199,7 +199,7 @@ def test_a_new_compact_format_gives_the_tokenizer_another_cache_key(tmp_path, mo
 
 
 def test_the_cold_start_table_says_the_bounds_verdict_and_the_load():
-    from uag.harness.coldstart import IMPORT_ARM, table
+    from scripts.coldstart import IMPORT_ARM, table
 
     times = {"old generate": [7.0, 8.0], "new generate": [4.1, 4.3], IMPORT_ARM: [2.0, 2.2]}
     verdict = table(times, load=(0.4, 1.7)).splitlines()[-1]

@@ -5,7 +5,7 @@ Why: a step reads each weight of the body and of the screening head once, ~320 M
 page walk. On 2 MB pages the same reads need ~160. Linux backs memory with 2 MB pages only
 where asked (``transparent_hugepage`` in its default ``madvise`` mode) and never a file mapping,
 so the prepared file's memory-mapped weights (``uag.runtime.prepared``) always get 4 KB pages.
-Measured on this project's 2-core Xeon (``python -m uag.harness.runtime_bench --verify-table``, one
+Measured on this project's 2-core Xeon (``python -m scripts.runtime_bench --verify-table``, one
 process each, alternating): one row 16.7 → 15.7 ms, eight rows 25.1 → 24.1 ms; the head
 gained more than the body.
 
