@@ -1,5 +1,8 @@
-"""Stop policies behind one protocol (see ``uag.decoding.policy``)."""
+"""Plans (``uag.decoding.plan``) and the stop rules a plan's drafts run under
+(``uag.decoding.policy``): the fixed plans, the bandit, the learned plan and stop controller."""
 
+from controllers.bandit import BanditPlan
+from controllers.plans import RulePlan, TargetOnlyPlan
 from controllers.rules import (
     ConfidencePolicy,
     EntropyPolicy,
@@ -7,9 +10,11 @@ from controllers.rules import (
     NoDraftPolicy,
     StaticPolicy,
 )
+from uag.decoding.plan import Plan
 from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome, StopPolicy
 
 __all__ = [
+    "BanditPlan",
     "ConfidencePolicy",
     "DraftContext",
     "DraftStep",
@@ -17,6 +22,9 @@ __all__ = [
     "HeuristicPolicy",
     "IterationOutcome",
     "NoDraftPolicy",
+    "Plan",
+    "RulePlan",
     "StaticPolicy",
     "StopPolicy",
+    "TargetOnlyPlan",
 ]

@@ -20,13 +20,13 @@ and the exploration term ``c·sqrt(ln t / n)`` (``c`` = √2: UCB1's own) is wei
 rates of the same order whatever the machine. (A running max taken *into* each stored reward
 instead would leave early rewards on a scale later ones are not.)
 
-**State per generation**: ``uag.decoding.speculative`` asks ``BanditPolicy.choice`` for a fresh
-``BanditChoice`` every generation, so nothing learned on one prompt carries to the next.
+**State per generation**: ``BanditPlan.begin`` starts a fresh UCB1 every generation, so nothing
+learned on one prompt carries to the next.
 
 **Outcome without a hook**: the round records itself (``session.records``) before the next
-round's choice, so ``choose`` first credits the newest record to the arm it played; the loop
-needs no new call. The assistant's stop policy is the ``BanditPolicy`` itself: its budget is the
-lookahead of the arm just chosen.
+round's choice, so ``next_action`` first credits the newest record to the arm it played; the
+loop needs no new call. A drafting arm's action is ``Draft(lookahead=K)``: K tokens, no early
+stop.
 
 What it cannot see: a copy or a plain step leaves the assistant behind, and the next drafting
 round pays its catch-up, so that cost is charged to the drafting arm, not to the arm that caused
@@ -39,11 +39,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
-from uag.decoding.drafters import AssistantDrafter, LookupDrafter
-from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
-from uag.decoding.round import Drafter, Session
+from uag.decoding.actions import Action, Copy, Draft, Step
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import FixedDrafts, Sources
+from uag.decoding.round import Session
 from uag.errors import UagError
 
 LOOKAHEADS = (1, 2, 4)
@@ -108,76 +109,41 @@ class Ucb1:
         self.scale = max(self.scale, reward)
 
 
-@dataclass
-class BanditPolicy:
-    """``bandit`` in ``controllers.spec``'s grammar: the stop policy the assistant drafts under
-    (the lookahead of the arm just chosen) and, through ``choice``, the round's drafter choice.
-    Give it prompt lookup (``lookup=`` of ``uag.generate``) for the copy arm."""
+class BanditPlan(FixedDrafts):
+    """``bandit`` in ``controllers.spec``'s grammar: UCB1 over step, copy and static-K, with the
+    round's tokens per second as reward (module docstring). ``lookup``: the prompt lookup the
+    copy arm copies from (its table sets the length; None: no copy arm)."""
 
-    lookaheads: tuple[int, ...] = LOOKAHEADS
-    exploration: float = EXPLORATION
-    name: str = field(default="bandit", init=False)
-    needs_features: ClassVar[bool] = False
-    k: int = field(default=0, init=False)
-    """The lookahead of the drafting arm chosen this round."""
-    last: BanditChoice | None = field(default=None, init=False, repr=False)
-    """The latest generation's choice (what it played, for reports and tests)."""
-
-    def __post_init__(self) -> None:
-        if not self.lookaheads or min(self.lookaheads) < 1:
-            raise UagError(f"the bandit's lookaheads must be >= 1, got {self.lookaheads}")
-        if not self.exploration >= 0.0:
-            raise UagError(f"the exploration constant must be >= 0, got {self.exploration}")
-        self.k = self.lookaheads[0]
-
-    def reset(self) -> None:
-        self.k = self.lookaheads[0]
-
-    def budget(self, ctx: DraftContext) -> int:
-        return self.k
-
-    def stop(self, step: DraftStep) -> bool:
-        return False
-
-    def update(self, outcome: IterationOutcome) -> None:
-        pass
-
-    def choice(
-        self, *, assistant: AssistantDrafter | None, lookup: LookupDrafter | None
-    ) -> BanditChoice:
-        """A fresh choice for one generation over these drafters (``uag.decoding.speculative``
-        calls this instead of building ``LookupFirst``)."""
-        self.last = BanditChoice(policy=self, assistant=assistant, lookup=lookup)
-        return self.last
-
-
-class BanditChoice:
-    """A ``DrafterChoice`` (``uag.decoding.round``): UCB1 over step, copy and static-K, with
-    the round's tokens per second as reward."""
+    name = "bandit"
 
     def __init__(
         self,
         *,
-        policy: BanditPolicy,
-        assistant: AssistantDrafter | None,
-        lookup: LookupDrafter | None,
+        lookup: PromptLookup | None = None,
+        lookaheads: tuple[int, ...] = LOOKAHEADS,
+        exploration: float = EXPLORATION,
     ) -> None:
-        self.policy, self.assistant, self.lookup = policy, assistant, lookup
+        if not lookaheads or min(lookaheads) < 1:
+            raise UagError(f"the bandit's lookaheads must be >= 1, got {lookaheads}")
+        if not exploration >= 0.0:
+            raise UagError(f"the exploration constant must be >= 0, got {exploration}")
+        self.lookup, self.lookaheads, self.exploration = lookup, lookaheads, exploration
+        self.begin(Sources())
+
+    def begin(self, sources: Sources) -> None:
+        """A fresh bandit over the arms these sources allow."""
+        self.sources = sources
         arms = [BanditArm("step")]
-        if lookup is not None:
+        if sources.lookup is not None:
             arms.append(BanditArm("copy"))
-        if assistant is not None:
-            arms += [BanditArm("draft", k=k) for k in policy.lookaheads]
+        if sources.assistant is not None:
+            arms += [BanditArm("draft", k=k) for k in self.lookaheads]
         self.arms: tuple[BanditArm, ...] = tuple(arms)
-        self.ucb = Ucb1(arms=len(arms), exploration=policy.exploration)
+        self.ucb = Ucb1(arms=len(arms), exploration=self.exploration)
         self.played: list[str] = []
         """The arm of every bandit round, by name, in order."""
         self._pending: tuple[int, int] | None = None
         """(arm, the round's index in ``session.records``) until its record is credited."""
-
-    @property
-    def drafters(self) -> tuple[Drafter, ...]:
-        return tuple(d for d in (self.lookup, self.assistant) if d is not None)
 
     def credit(self, session: Session) -> None:
         """The last round's emitted tokens per second, to the arm that played it."""
@@ -191,21 +157,20 @@ class BanditChoice:
         if record.round_s > 0.0:
             self.ucb.update(arm, record.emitted / record.round_s)
 
-    def choose(self, session: Session) -> Drafter | None:
+    def next_action(self, session: Session) -> Action:
         self.credit(session)
         if not session.target.cached or session.room <= 1:
             # The prompt's pass, or a last token with no room for candidates: every arm is the
             # plain step there, and the prompt's cost would swamp whatever arm it was credited to.
-            return None
-        copy = self.lookup is not None and bool(self.lookup.match(session))
-        available = [i for i, a in enumerate(self.arms) if a.kind != "copy" or copy]
+            return Step()
+        copied = self.sources.lookup.match(session) if self.sources.lookup is not None else []
+        available = [i for i, a in enumerate(self.arms) if a.kind != "copy" or copied]
         arm = self.ucb.select(available)
         self._pending = (arm, len(session.records))
         chosen = self.arms[arm]
         self.played.append(chosen.name)
         if chosen.kind == "copy":
-            return self.lookup
+            return Copy(length=len(copied))
         if chosen.kind == "step":
-            return None
-        self.policy.k = chosen.k
-        return self.assistant
+            return Step()
+        return Draft(lookahead=chosen.k)

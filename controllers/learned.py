@@ -21,7 +21,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from controllers.cost import CostRule, CostState
+from controllers.plans import RulePlan
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION, feature_row, gate_row
+from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
 from uag.errors import UagError
 
@@ -230,6 +232,10 @@ class LearnedPolicy(ContractWarnings):
         self.output_name = self.session.get_outputs()[0].name
         self.decisions = 0
         self._cost = CostState(self.info.cost_rule()) if self.info.decision == "cost" else None
+
+    def as_plan(self, lookup: PromptLookup | None) -> RulePlan:
+        """The stop controller drafting after ``lookup``'s copies (None: no copies)."""
+        return RulePlan(self, lookup=lookup)
 
     def _score(self, row: np.ndarray) -> float:
         self.decisions += 1

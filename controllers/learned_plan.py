@@ -3,8 +3,8 @@
 At each round start it computes the round-start feature row (``uag.decoding.plan_features``,
 the code ``uag collect --plan`` used), asks the network for every action's expected tokens, and
 takes ``argmax E_a − R · T_a`` with each action priced by the latency profile the file carries
-(``controllers.plan``). It runs as the loop's ``DrafterChoice`` (``ActionChoice``): a plain step,
-a copy of the chosen length from prompt lookup, or an assistant draft of the chosen lookahead.
+(``controllers.plan``). It is a ``Plan`` (``uag.decoding.plan``): a plain step, a copy of the
+chosen length from its prompt lookup, or an assistant draft of the chosen lookahead.
 
 The file's contract (ONNX metadata): ``kind`` ``plan``, the feature names and schema version,
 the action names (the network's output order), R, the latency profile, the pair and decoding it
@@ -22,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from controllers.learned import ContractWarnings, _session
+from controllers.learned import ContractWarnings, LearnedPolicy, _session
 from controllers.plan import ActionPrices, plan_choice
-from uag.decoding.actions import Action, ActionChoice, ActionSet
+from uag.decoding.actions import Action, ActionSet, copy_lookup
+from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import ChoosingPlan
 from uag.decoding.plan_features import (
     PLAN_FEATURE_NAMES,
     PLAN_SCHEMA_VERSION,
@@ -114,14 +116,15 @@ def read_plan_contract(path: Path, session: Any) -> PlanInfo:
     return info
 
 
-class LearnedPlan(ContractWarnings, ActionChoice):
+class LearnedPlan(ContractWarnings, ChoosingPlan):
     """Each round's action chosen by an exported plan (module docstring). ``name``
-    ``learned``: a bench arm and ``uag generate --controller``'s default."""
+    ``learned``: a bench arm and ``uag generate --controller``'s default. It copies from
+    ``copy_lookup()`` (a copy's length is the action's, not a lookup table's)."""
 
     name = "learned"
 
     def __init__(self, path: Path | str, *, use_cuda: bool = False, session: Any = None) -> None:
-        super().__init__()
+        super().__init__(lookup=copy_lookup())
         self.path = Path(path)
         self.session = session if session is not None else _session(self.path, use_cuda=use_cuda)
         self.info = read_plan_contract(self.path, self.session)
@@ -142,13 +145,11 @@ class LearnedPlan(ContractWarnings, ActionChoice):
     def profile(self, profile: LatencyProfile) -> None:
         self._prices = ActionPrices(self.actions, profile)
 
-    def next_action(self, session: Session) -> Action:
-        if self.lookup is None:
-            raise UagError("a plan controller copies from prompt lookup: run it with lookup on")
+    def choose(self, session: Session) -> Action:
         if not session.records:
             self._prompt_bytes = session.bridge.target.bytes_of(session.prompt_ids)
-        match = self.lookup.match_info(session)
-        drafts = self.assistant is not None
+        match = self.sources.match(session)
+        drafts = self.sources.assistant is not None
         if not match.ids and self._prices.steps and not (drafts and self._prices.drafts):
             # Nothing to copy and no draft to choose: every action but the plain step is priced
             # inf, so the choice is the step whatever the network says. Skipping the feature row
@@ -158,6 +159,10 @@ class LearnedPlan(ContractWarnings, ActionChoice):
             session, match=match, state=round_state(session), prompt_bytes=self._prompt_bytes
         )
         return self.decide(row, drafts=drafts)
+
+    def as_plan(self, lookup: PromptLookup | None) -> LearnedPlan:
+        """Itself: a plan copies from its own lookup (``copy_lookup``), whatever is offered."""
+        return self
 
     def decide(self, row: np.ndarray, *, drafts: bool) -> Action:
         """The action for a round-start feature row (``drafts``: the assistant can draft)."""
@@ -169,10 +174,10 @@ class LearnedPlan(ContractWarnings, ActionChoice):
         ]
 
 
-def load_controller(path: Path | str, *, use_cuda: bool = False) -> Any:
+def load_controller(path: Path | str, *, use_cuda: bool = False) -> LearnedPlan | LearnedPolicy:
     """The controller a file holds: a ``LearnedPlan`` (metadata ``kind`` ``plan``) or a stop
-    controller (``LearnedPolicy``); either refuses a contract this uag cannot honour."""
-    from controllers.learned import LearnedPolicy
+    controller (``LearnedPolicy``); either refuses a contract this uag cannot honour, and
+    either becomes a plan with ``as_plan``."""
 
     session = _session(Path(path), use_cuda=use_cuda)
     if is_plan_file(session):

@@ -62,7 +62,11 @@ class ActionPrices:
             for i, a in enumerate(actions)
             if isinstance(a, Copy)
         ]
-        self.drafts = [(i, a.lookahead) for i, a in enumerate(actions) if isinstance(a, Draft)]
+        self.drafts = [
+            (i, a.lookahead)
+            for i, a in enumerate(actions)
+            if isinstance(a, Draft) and a.lookahead is not None
+        ]
         self.steps = [i for i, a in enumerate(actions) if not isinstance(a, Copy | Draft)]
         self.profile = profile
         self.width = len(actions)

@@ -40,7 +40,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from controllers.bandit import BanditPolicy
+from controllers.bandit import BanditPlan
+from controllers.plans import RulePlan
 from controllers.rules import (
     ConfidencePolicy,
     EntropyPolicy,
@@ -49,6 +50,7 @@ from controllers.rules import (
     StaticPolicy,
 )
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import Plan
 from uag.decoding.policy import StopPolicy
 from uag.errors import UagError
 
@@ -96,8 +98,7 @@ class PolicySpec:
 
     @property
     def is_rule(self) -> bool:
-        """``build`` makes its policy (a hand-written rule, ``lookup``'s no-draft one, or the
-        bandit)."""
+        """``plan`` makes its plan (a hand-written rule, ``lookup`` alone, or the bandit)."""
         return self.kind in RULES or self.kind in ("lookup", "bandit")
 
     def make_lookup(self, lengths: tuple[int, ...] | None = None) -> PromptLookup | None:
@@ -114,23 +115,40 @@ class PolicySpec:
             max_tokens=PromptLookup.max_tokens if lengths is None else lengths,
         )
 
-    def build(self, *, lookahead: int | None = None, threshold: float | None = None) -> StopPolicy:
-        """The rule this spec names. ``lookahead`` / ``threshold`` are ``uag generate``'s flags:
-        for static and heuristic the lookahead is the spec's own number (give one or the
-        other), for confidence and entropy it caps the draft."""
-        if not self.is_rule:
-            raise UagError(f"{self} is not a rule policy: build it where its model or file is")
-        if self.kind == "lookup":
-            if lookahead is not None or threshold is not None:
-                raise UagError("--lookahead and --threshold do not apply to the lookup policy")
-            return NoDraftPolicy()
+    def plan(
+        self,
+        *,
+        lookahead: int | None = None,
+        threshold: float | None = None,
+        lengths: tuple[int, ...] | None = None,
+    ) -> Plan:
+        """The plan this spec names (a rule kind: ``is_rule``): the bandit, or the stop rule
+        with prompt lookup first (``+lookup``, ``lookup``; ``lengths`` as in ``make_lookup``)."""
+        lookup = self.make_lookup(lengths)
         if self.kind == "bandit":
-            if lookahead is not None or threshold is not None:
-                raise UagError(
-                    "--lookahead and --threshold do not apply to the bandit policy (its "
-                    "drafting arms are static-1, -2 and -4)"
-                )
-            return BanditPolicy()
+            self._no_flags(lookahead, threshold, "(its drafting arms are static-1, -2 and -4)")
+            return BanditPlan(lookup=lookup)
+        if self.kind == "lookup":
+            self._no_flags(lookahead, threshold, "")
+            return RulePlan(None, lookup=lookup)
+        return RulePlan(self.build(lookahead=lookahead, threshold=threshold), lookup=lookup)
+
+    def _no_flags(self, lookahead: int | None, threshold: float | None, why: str) -> None:
+        if lookahead is not None or threshold is not None:
+            raise UagError(
+                f"--lookahead and --threshold do not apply to the {self.kind} policy {why}".strip()
+            )
+
+    def build(self, *, lookahead: int | None = None, threshold: float | None = None) -> StopPolicy:
+        """The stop rule this spec names (``plan`` puts it in a plan). ``lookahead`` /
+        ``threshold`` are ``uag generate``'s flags: for static and heuristic the lookahead is
+        the spec's own number (give one or the other), for confidence and entropy it caps the
+        draft."""
+        if not self.is_rule or self.kind == "bandit":
+            raise UagError(f"{self} is not a stop rule: build its plan where its model or file is")
+        if self.kind == "lookup":
+            self._no_flags(lookahead, threshold, "")
+            return NoDraftPolicy()
         if self.kind in ("static", "heuristic"):
             if threshold is not None:
                 raise UagError(f"--threshold does not apply to the {self.kind} policy")

@@ -1,4 +1,5 @@
-"""Round actions (``uag.decoding.actions``): their names, and the choice that executes them."""
+"""Round actions (``uag.decoding.actions``): their names, and the plan runner that executes them
+(``uag.decoding.plan``)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from uag.decoding.actions import (
     ActionSet,
     Copy,
     Draft,
-    PlannedChoice,
-    ScriptedChoice,
     Step,
     copy_lookup,
     parse_action,
 )
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import ChoosingPlan, FunctionPlan, ScriptedPlan
 from uag.decoding.speculative import speculate, target_alone
 from uag.errors import UagError
 
@@ -40,6 +40,9 @@ def test_names_are_stable_and_parse_back():
     assert actions.max_lookahead == 3
     assert actions.index(Draft(lookahead=1)) == 3
     assert ActionSet.standard(max_copy=0, max_draft=0).names == ("step",)
+    assert parse_action("draft") == Draft() and Draft().name == "draft"  # the stop rule's length
+    assert parse_action("copy:suffix:3") == Copy(length=3, source="suffix")
+    assert Copy(length=3, source="suffix").name == "copy:suffix:3"
 
 
 @pytest.mark.parametrize("name", ["", "copy", "copy:", "copy:x", "draft:-1", "step:1", "jump:2"])
@@ -51,15 +54,18 @@ def test_a_bad_name_is_one_clean_error(name):
 def test_lengths_stay_within_the_verify_cap():
     with pytest.raises(UagError, match="verify cap"):
         Copy(length=0)
-    with pytest.raises(UagError, match="verify cap"):
-        Draft(lookahead=16)
+    with pytest.raises(UagError, match="at least 1"):
+        Draft(lookahead=0)
+    with pytest.raises(UagError, match="unknown action"):
+        parse_action("draft:16")  # a controller's drafts stay within the verify cap
     with pytest.raises(UagError, match="repeated"):
         ActionSet((Step(), Step()))
     with pytest.raises(UagError, match="at least one"):
         ActionSet(())
 
 
-def _run(pair, prompt: str, choice, *, lookup: PromptLookup | None = None):
+def _run(pair, prompt: str, plan: ChoosingPlan, *, lookup: PromptLookup | None = None):
+    plan.lookup = copy_lookup() if lookup is None else lookup
     target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, prompt, chat=False))
     alone = target_alone(
         target=pair.target_lm,
@@ -75,9 +81,8 @@ def _run(pair, prompt: str, choice, *, lookup: PromptLookup | None = None):
         assistant_eos=pair.assistant.eos_ids,
         prompt_target_ids=target_ids,
         prompt_assistant_ids=assistant_ids,
-        policy=choice,
+        plan=plan,
         max_new_tokens=TOKENS,
-        lookup=copy_lookup() if lookup is None else lookup,
     )
     return alone, out
 
@@ -89,10 +94,11 @@ def test_each_round_does_what_its_action_says(pair):
     script += [Draft(lookahead=1), Copy(length=1), Draft(lookahead=2)] * 4
     seen = set()
     for prompt in ("hello world", "the cat sat on"):
-        choice = ScriptedChoice(script, then=Copy(length=3))
+        choice = ScriptedPlan(script, then=Copy(length=3))
         alone, out = _run(pair, prompt, choice)
         assert out.ids == alone.ids
         assert choice.taken == [*script, *[Copy(length=3)] * TOKENS][: len(out.iterations)]
+        assert [r.action for r in out.iterations] == [a.name for a in choice.taken]
         for action, r in zip(choice.taken, out.iterations, strict=True):
             if isinstance(action, Step):
                 assert (r.candidates, r.drafted, r.lookup) == (0, 0, False)
@@ -108,22 +114,31 @@ def test_each_round_does_what_its_action_says(pair):
 def test_a_plan_sees_the_session(pair):
     """A plan chooses from the round's state: here, copy where lookup matches, else draft."""
 
-    def plan(session):
-        lookup = choice.lookup
-        assert lookup is not None
-        return Copy(length=4) if lookup.match(session) else Draft(lookahead=2)
+    def plan(session, sources):
+        return Copy(length=4) if sources.match(session).ids else Draft(lookahead=2)
 
-    choice = PlannedChoice(plan)
+    choice = FunctionPlan(plan)
     alone, out = _run(pair, "hello world", choice)
     assert out.ids == alone.ids
     assert {type(a) for a in choice.taken} == {Copy, Draft}
 
 
-def test_a_copy_needs_a_lookup_whose_length_is_the_actions(pair):
-    with pytest.raises(ValueError, match="copy_lookup"):
-        _run(pair, "hello world", ScriptedChoice([Step()]), lookup=PromptLookup())
-    choice = ScriptedChoice([Step(), Copy(length=2)])
-    with pytest.raises(ValueError, match="needs prompt lookup"):
-        choice.choice(assistant=None, lookup=None).drafter_for(Copy(length=2))
-    with pytest.raises(ValueError, match="needs the assistant"):
-        choice.drafter_for(Draft(lookahead=1))
+def test_an_action_without_its_source_is_one_clean_error(pair):
+    """A plan that copies where the run has no lookup, or names a source the run lacks, is
+    refused with the plan's and the action's names."""
+    target_ids, assistant_ids = encode_prompt(pair, "hello world")
+    common = dict(
+        target=pair.target_lm,
+        assistant=pair.assistant_lm,
+        bridge=pair.bridge,
+        target_eos=pair.target.eos_ids,
+        assistant_eos=pair.assistant.eos_ids,
+        prompt_target_ids=target_ids,
+        prompt_assistant_ids=assistant_ids,
+        max_new_tokens=TOKENS,
+    )
+    with pytest.raises(UagError, match="scripted chose copy:2, but this run has no lookup"):
+        speculate(plan=ScriptedPlan([Step(), Copy(length=2)]), **common)
+    plan = ScriptedPlan([Step(), Copy(length=2, source="suffix")], lookup=copy_lookup())
+    with pytest.raises(UagError, match="copy:suffix:2, but this run has no suffix"):
+        speculate(plan=plan, **common)

@@ -10,13 +10,15 @@ from types import SimpleNamespace
 import pytest
 
 import uag
-from controllers.bandit import BanditChoice, BanditPolicy, Ucb1
+from controllers.bandit import BanditPlan, Ucb1
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from controllers.spec import PolicySpec, parse_policy, parse_policy_list
 from uag.api import encode_prompt
+from uag.decoding.actions import Copy, Draft, Step
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import Sources
 from uag.decoding.round import MAX_CANDIDATES, IterationRecord
-from uag.decoding.speculative import ChoosingPolicy
 from uag.errors import UagError
 
 PROMPTS = (
@@ -69,15 +71,15 @@ def test_baseline_arms_in_a_policy_list_are_distinct_arms():
     assert names == ["target-only", "static-2+lookup", "static-2+lookup-3", "bandit"]
 
 
-def test_the_bandit_spec_builds_a_policy_that_chooses_its_drafter_and_refuses_flags():
+def test_the_bandit_spec_builds_a_plan_that_copies_and_refuses_flags():
     spec = parse_policy("bandit")
-    policy = spec.build()
-    assert isinstance(policy, BanditPolicy) and isinstance(policy, ChoosingPolicy)
-    assert not isinstance(StaticPolicy(k=2), ChoosingPolicy)
-    assert isinstance(spec.make_lookup(), PromptLookup)
+    plan = spec.plan()
+    assert isinstance(plan, BanditPlan) and isinstance(plan.lookup, PromptLookup)
+    with pytest.raises(UagError, match="not a stop rule"):
+        spec.build()
     for flags in ({"lookahead": 3}, {"threshold": 0.5}):
         with pytest.raises(UagError, match="bandit"):
-            spec.build(**flags)
+            spec.plan(**flags)
 
 
 # --- the hybrid rule --------------------------------------------------------------------------
@@ -109,12 +111,11 @@ def test_the_hybrid_copies_exactly_when_the_match_is_long_enough(similar, prompt
     far is at least 3 tokens, drafted by the assistant (static-2) otherwise; the output is the
     target's."""
     n_new = 40
-    ref = uag.generate(similar, prompt, policy=None, max_new_tokens=n_new).token_ids
+    ref = uag.generate(similar, prompt, plan=None, max_new_tokens=n_new).token_ids
     out = uag.generate(
         similar,
         prompt,
-        policy=StaticPolicy(k=2),
-        lookup=parse_policy("static-2+lookup-3").make_lookup(),
+        plan=RulePlan(StaticPolicy(k=2), lookup=parse_policy("static-2+lookup-3").make_lookup()),
         max_new_tokens=n_new,
     )
     assert out.token_ids == ref
@@ -196,15 +197,13 @@ class _FakeLookup:
 
 
 def test_the_bandit_choice_credits_each_rounds_rate_to_the_arm_it_played():
-    """Fake rounds: the choice is told each round's outcome through the session's records only,
-    and picks the drafter and the lookahead of the arm UCB1 names."""
-    policy = BanditPolicy()
-    assistant, lookup = object(), _FakeLookup()
-    choice = policy.choice(assistant=assistant, lookup=lookup)  # type: ignore[arg-type]
-    assert isinstance(choice, BanditChoice) and policy.last is choice
-    assert choice.drafters == (lookup, assistant)
+    """Fake rounds: the plan is told each round's outcome through the session's records only,
+    and answers with the action of the arm UCB1 names."""
+    choice = BanditPlan()
+    lookup = _FakeLookup()
+    choice.begin(Sources(lookup=lookup, assistant=object()))  # type: ignore[arg-type]
     session = SimpleNamespace(target=SimpleNamespace(cached=0), room=30, records=[])
-    assert choice.choose(session) is None  # the prompt's own round: not a bandit round
+    assert choice.next_action(session) == Step()  # the prompt's own round: not a bandit round
     session.records.append(_record(1, 5.0))
     session.target.cached = 10
     # rates per arm (tokens / s): step 100, copy 600, static-1 150, static-2 300, static-4 200
@@ -212,50 +211,51 @@ def test_the_bandit_choice_credits_each_rounds_rate_to_the_arm_it_played():
     lookup.copy = [7]  # a match exists: the copy arm is available
     expected = ["step", "copy", "static-1", "static-2", "static-4"]
     for name in expected:
-        drafter = choice.choose(session)
+        action = choice.next_action(session)
         assert choice.played[-1] == name
         if name == "step":
-            assert drafter is None
+            assert action == Step()
         elif name == "copy":
-            assert drafter is lookup
+            assert action == Copy(length=1)
         else:
-            assert drafter is assistant and policy.budget(None) == int(name[-1])  # type: ignore[arg-type]
+            assert action == Draft(lookahead=int(name[-1]))
         session.records.append(_record(3, 3 / rate[name]))
     # all bonuses equal: the best mean, the copy
-    assert choice.choose(session) is lookup
+    assert choice.next_action(session) == Copy(length=1)
     assert choice.ucb.sums == pytest.approx([100, 600, 150, 300, 200])
     session.records.append(_record(3, 3 / 600))
     # no match this round: the copy arm is unavailable, the best of the rest is static-2
     lookup.copy = []
-    assert choice.choose(session) is assistant and policy.k == 2
+    assert choice.next_action(session) == Draft(lookahead=2)
     assert choice.played[-1] == "static-2"
     session.records.append(_record(3, 3 / 300))
     # the last token: no room for candidates, a plain step that credits nothing
     session.room = 1
     counts = list(choice.ucb.counts)
-    assert choice.choose(session) is None
+    assert choice.next_action(session) == Step()
     assert choice.ucb.counts == [c + (i == 3) for i, c in enumerate(counts)]
     assert len(choice.played) == 7
 
 
 def test_each_generation_gets_a_fresh_bandit():
-    policy = BanditPolicy()
-    first = policy.choice(assistant=None, lookup=None)
-    second = policy.choice(assistant=None, lookup=None)
-    assert first is not second and policy.last is second
-    assert [a.name for a in first.arms] == ["step"]  # no drafters: only the plain step
+    plan = BanditPlan()
+    plan.begin(Sources(lookup=_FakeLookup(), assistant=object()))  # type: ignore[arg-type]
+    first = plan.ucb
+    plan.ucb.update(0, 5.0)
+    plan.begin(Sources())
+    assert plan.ucb is not first and plan.ucb.counts == [0]
+    assert [a.name for a in plan.arms] == ["step"]  # no drafters: only the plain step
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_the_bandit_arm_outputs_the_targets_tokens(cross, prompt):
     """Whatever arms it plays, greedy output is the target's; each round is the arm it played."""
     n_new = 32
-    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=n_new).token_ids
-    policy = BanditPolicy()
-    out = uag.generate(cross, prompt, policy=policy, lookup=PromptLookup(), max_new_tokens=n_new)
+    ref = uag.generate(cross, prompt, plan=None, max_new_tokens=n_new).token_ids
+    plan = BanditPlan(lookup=PromptLookup())
+    out = uag.generate(cross, prompt, plan=plan, max_new_tokens=n_new)
     assert out.token_ids == ref
-    assert policy.last is not None
-    played = policy.last.played
+    played = plan.played
     assert len(set(played)) >= 4  # every arm is tried before UCB1 ranks them
     for name, r in zip(played, out.iterations[1:], strict=False):
         assert r.lookup == (name == "copy")

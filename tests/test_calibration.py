@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from tests.tiny import cross_pair
+from uag import recipes
 from uag.cli import main
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.profile import LatencyProfile
@@ -71,7 +72,7 @@ def test_replay_copies_more_when_candidates_are_cheap_and_less_when_dear(
 
 
 def test_a_saved_calibration_round_trips_and_a_damaged_one_is_one_clear_error(tmp_path):
-    saved = calibration.LookupCalibration(
+    saved = recipes.LookupCalibration(
         lengths=(2, 3, 5),
         predicted=1.58,
         default_predicted=1.49,
@@ -80,28 +81,28 @@ def test_a_saved_calibration_round_trips_and_a_damaged_one_is_one_clear_error(tm
         max_new_tokens=128,
     )
     path = tmp_path / "calibration" / "lookup-x.json"
-    calibration.save(saved, path)
-    assert calibration.load(path) == saved
-    assert calibration.load(tmp_path / "none.json") is None
+    recipes.save_calibration(saved, path)
+    assert recipes.load_calibration(path) == saved
+    assert recipes.load_calibration(tmp_path / "none.json") is None
     for damage in ("{", json.dumps({**json.loads(path.read_text()), "lengths": [0, 2, 3]})):
         path.write_text(damage)
         with pytest.raises(UagError, match="damaged.*uag calibrate again"):
-            calibration.load(path)
+            recipes.load_calibration(path)
 
 
 def test_the_file_is_per_machine_and_target_and_any_assistant_shares_it(tokenizers):
     pair = cross_pair(tokenizers)
-    here = calibration.calibration_path(pair, machine="cpu A, 2 threads")
-    assert here == calibration.calibration_path(pair, machine="cpu A, 2 threads")
-    assert here != calibration.calibration_path(pair, machine="cpu B, 2 threads")
-    assert here != calibration.calibration_path(
+    here = recipes.calibration_path(pair, machine="cpu A, 2 threads")
+    assert here == recipes.calibration_path(pair, machine="cpu A, 2 threads")
+    assert here != recipes.calibration_path(pair, machine="cpu B, 2 threads")
+    assert here != recipes.calibration_path(
         cross_pair(tokenizers, kernels="plain"), machine="cpu A, 2 threads"
     )
     # lookup alone never runs the assistant: another assistant finds the same file
     other = replace(pair, assistant=replace(pair.assistant, ref="another"), assistant_int8=True)
-    assert calibration.calibration_path(other, machine="cpu A, 2 threads") == here
+    assert recipes.calibration_path(other, machine="cpu A, 2 threads") == here
     assert (
-        calibration.calibration_path(
+        recipes.calibration_path(
             replace(pair, target=replace(pair.target, ref="another")), machine="cpu A, 2 threads"
         )
         != here
@@ -111,7 +112,7 @@ def test_the_file_is_per_machine_and_target_and_any_assistant_shares_it(tokenize
 def test_calibrate_writes_the_file_and_generate_copies_its_lengths(
     tiny_dirs, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(calibration, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(recipes, "cache_root", lambda: tmp_path)
     target_dir, assistant_dir = tiny_dirs
     models = ["--target", str(target_dir), "--assistant", str(assistant_dir)]
     prompts = tmp_path / "prompts.jsonl"
@@ -121,15 +122,15 @@ def test_calibrate_writes_the_file_and_generate_copies_its_lengths(
     out = capsys.readouterr().out
     assert "replay predicts lookup alone" in out
     files = list((tmp_path / "calibration").glob("lookup-*.json"))
-    assert len(files) == 1 and calibration.load(files[0]) is not None
+    assert len(files) == 1 and recipes.load_calibration(files[0]) is not None
 
     gen = ["generate", *models, "--policy", "lookup", "--prompt", REPEATING[0].text]
     gen += ["--max-new-tokens", "24", "--json", "--compare-target-only"]
     runs = {}
     for lengths in ((1, 1, 1), (11, 11, 11)):
-        found = calibration.load(files[0])
+        found = recipes.load_calibration(files[0])
         assert found is not None
-        calibration.save(replace(found, lengths=lengths), files[0])
+        recipes.save_calibration(replace(found, lengths=lengths), files[0])
         assert main(gen) == 0
         captured = capsys.readouterr()
         assert "as uag calibrate chose on this machine" in captured.err

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import uag
+from controllers.plans import RulePlan
 from tests.tiny import one_clean_line, same_tokenizer_pair
 from uag.cli import main
 from uag.decoding.features import FEATURE_NAMES, feature_row
@@ -85,7 +86,11 @@ def test_loop_labels_match_output_text(tokenizers):
     target accepted in that iteration."""
     pair = same_tokenizer_pair(tokenizers, noise=0.05)
     res = uag.generate(
-        pair, "def f(x):\n    return", policy=uag_static(5), max_new_tokens=60, keep_steps=True
+        pair,
+        "def f(x):\n    return",
+        plan=RulePlan(uag_static(5)),
+        max_new_tokens=60,
+        keep_steps=True,
     )
     table = pair.bridge.target.table
     out_bytes = [table[t] for t in res.token_ids]
@@ -152,7 +157,7 @@ def test_collector_features_equal_runtime_features(tiny_dirs, tmp_path):
     df = _read_dir(out)
     pair = uag.load_pair(target_dir, assistant_dir)
     policy = RecordingPolicy(k=4)
-    uag.generate(pair, "Hello there, how are", policy=policy, max_new_tokens=20)
+    uag.generate(pair, "Hello there, how are", plan=RulePlan(policy), max_new_tokens=20)
     runtime = np.stack(policy.rows)
     collected = df[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
     assert collected.shape == runtime.shape and len(runtime) > 0

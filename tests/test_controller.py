@@ -10,6 +10,7 @@ import torch
 
 import uag
 from controllers.learned import LearnedPolicy
+from controllers.plans import RulePlan
 from tests.tiny import one_clean_line
 from training.export import export_onnx
 from training.model import ControllerNet
@@ -95,8 +96,8 @@ def test_learned_policy_is_lossless_in_the_loop(tmp_path, tiny_dirs):
     _export(tmp_path / "c.onnx", threshold=0.5, gate=0.4)
     pair = uag.load_pair(*tiny_dirs)
     policy = LearnedPolicy(tmp_path / "c.onnx")
-    ref = uag.generate(pair, "Once upon a time", policy=None, max_new_tokens=30)
-    out = uag.generate(pair, "Once upon a time", policy=policy, max_new_tokens=30)
+    ref = uag.generate(pair, "Once upon a time", plan=None, max_new_tokens=30)
+    out = uag.generate(pair, "Once upon a time", plan=RulePlan(policy), max_new_tokens=30)
     assert out.token_ids == ref.token_ids
     assert policy.decisions > 0
 
@@ -159,8 +160,8 @@ def test_cost_decision_controller_in_the_loop_and_in_bench(tmp_path, tiny_dirs, 
     policy = LearnedPolicy(tmp_path / "c.onnx")
     assert policy.info.decision == "cost" and policy.info.gate
     pair = uag.load_pair(*tiny_dirs)
-    ref = uag.generate(pair, "Once upon a time", policy=None, max_new_tokens=30)
-    out = uag.generate(pair, "Once upon a time", policy=policy, max_new_tokens=30)
+    ref = uag.generate(pair, "Once upon a time", plan=None, max_new_tokens=30)
+    out = uag.generate(pair, "Once upon a time", plan=RulePlan(policy), max_new_tokens=30)
     assert out.token_ids == ref.token_ids
     drafted = [r.drafted for r in out.iterations]
     assert policy.decisions > 0 and max(drafted) >= 1
@@ -247,7 +248,7 @@ def test_bad_bench_input(tmp_path, capsys, tiny_dirs):
 
 def test_bench_catches_a_broken_policy(tmp_path, tiny_dirs):
     def broken(prompt: str, n: int, seed: int | None) -> ArmRun:
-        res = uag.generate(pair, prompt, policy=None, max_new_tokens=n)
+        res = uag.generate(pair, prompt, plan=None, max_new_tokens=n)
         ids = res.token_ids[:-1] + [(res.token_ids[-1] + 1) % 100]  # one wrong token at the end
         return ArmRun(ids=ids, seconds=res.seconds, target_forwards=res.new_tokens)
 
@@ -303,7 +304,7 @@ def test_bench_sampling_checks_the_distribution(tmp_path, tiny_dirs):
 
     def greedy(prompt: str, n: int, seed: int | None) -> ArmRun:
         seeds.append(seed)  # ignores the sampling settings: argmax is not a sample of p
-        res = uag.generate(pair, prompt, policy=None, max_new_tokens=n)
+        res = uag.generate(pair, prompt, plan=None, max_new_tokens=n)
         return ArmRun(ids=res.token_ids, seconds=res.seconds, target_forwards=res.new_tokens)
 
     pair = uag.load_pair(*tiny_dirs)

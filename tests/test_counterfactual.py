@@ -12,7 +12,8 @@ import torch
 
 from tests.toy import toy_pair
 from uag.api import encode_prompt, render_prompt
-from uag.decoding.actions import ActionSet, Copy, Draft, ScriptedChoice, Step, copy_lookup
+from uag.decoding.actions import ActionSet, Copy, Draft, Step, copy_lookup
+from uag.decoding.plan import ScriptedPlan
 from uag.decoding.speculative import speculate
 from uag.harness import counterfactual, dryrun
 
@@ -81,9 +82,8 @@ def _forced(pair, ids, script, counted: _Counted, *, tokens: int):
         assistant_eos=pair.assistant.eos_ids,
         prompt_target_ids=target_ids,
         prompt_assistant_ids=assistant_ids,
-        policy=ScriptedChoice(script),
+        plan=ScriptedPlan(script, lookup=copy_lookup()),
         max_new_tokens=tokens,
-        lookup=copy_lookup(),
         on_tokens=counted.close_round,
     )
 
@@ -101,7 +101,7 @@ def _check(
     ids = _ids(pair, prompt)
     trace = dryrun.record_trace(pair, ids[0], tokens)
     rng = random.Random(seed)
-    behaviour = ScriptedChoice([rng.choice(actions.actions) for _ in range(tokens)])
+    behaviour = ScriptedPlan([rng.choice(actions.actions) for _ in range(tokens)])
     labels = counterfactual.label_run(
         pair, trace, behaviour, actions=actions, prompt_assistant_ids=ids[1]
     )
@@ -170,7 +170,7 @@ def test_a_draft_of_k_is_the_longest_draft_cut_to_k(toy):
     longest once: each shorter draft must be its own, not the longest's)."""
     ids = _ids(toy, "the cat sat on")
     trace = dryrun.record_trace(toy, ids[0], TOKENS)
-    behaviour = ScriptedChoice([Step(), *[Draft(lookahead=3)] * TOKENS])
+    behaviour = ScriptedPlan([Step(), *[Draft(lookahead=3)] * TOKENS])
     labels = counterfactual.label_run(
         toy, trace, behaviour, actions=ACTIONS, prompt_assistant_ids=ids[1]
     )

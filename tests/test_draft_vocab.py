@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import cross_pair, one_clean_line, q8_0_like, same_tokenizer_pair
@@ -170,8 +171,8 @@ def test_lossless_whatever_the_draft_vocabulary_proposes(cut_pair, name):
     the target's own output."""
     pair = cut_pair
     prompt = NASTY_PROMPTS[name]
-    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
-    out = uag.generate(pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=24)
+    ref = uag.generate(pair, prompt, plan=None, max_new_tokens=24)
+    out = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=24)
     assert out.token_ids == ref.token_ids
     assert sum(r.drafted for r in out.iterations) > 0
 
@@ -181,13 +182,13 @@ def test_a_cut_vocabulary_costs_acceptance_not_output(tokenizers):
     target does not pick, it is rejected, and the output stays the same."""
     pair = same_tokenizer_pair(tokenizers, noise=0.0)
     assert pair.draft_vocab == 0  # what the helper asks for
-    ref = uag.generate(pair, "The", policy=None, max_new_tokens=30)
-    full = uag.generate(pair, "The", policy=StaticPolicy(k=4), max_new_tokens=30)
+    ref = uag.generate(pair, "The", plan=None, max_new_tokens=30)
+    full = uag.generate(pair, "The", plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=30)
     assert full.acceptance_rate == 1.0
     chosen = set(ref.token_ids)
     small = min(range(GRANULE, 4096, GRANULE), key=lambda n: sum(t < n for t in chosen))
     pair.assistant_lm.set_draft_vocab(small)
-    cut = uag.generate(pair, "The", policy=StaticPolicy(k=4), max_new_tokens=30)
+    cut = uag.generate(pair, "The", plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=30)
     assert cut.token_ids == ref.token_ids
     assert cut.acceptance_rate < full.acceptance_rate
 

@@ -10,6 +10,7 @@ import pytest
 
 import uag
 from controllers.learned import LearnedPolicy
+from controllers.plans import RulePlan
 from controllers.rules import ConfidencePolicy, StaticPolicy
 from tests.test_controller import COST, _export
 from tests.toy import toy_pair
@@ -84,10 +85,14 @@ def test_replayed_rounds_are_the_loops_rounds(pair, tmp_path):
     for name, make in _policies(tmp_path).items():
         for prompt in PROMPTS:
             trace = dryrun.record_trace(pair, _ids(pair, prompt)[0], 24)
-            live = uag.generate(pair, prompt, policy=make(), max_new_tokens=24)
+            live = uag.generate(pair, prompt, plan=RulePlan(make()), max_new_tokens=24)
             assert tuple(live.token_ids) == trace.ids
             run = dryrun.replay(
-                pair, trace, make(), prompt_assistant_ids=_ids(pair, prompt)[1], profile=profile
+                pair,
+                trace,
+                RulePlan(make()),
+                prompt_assistant_ids=_ids(pair, prompt)[1],
+                profile=profile,
             )
             assert _rounds(run.records) == _rounds(live.iterations), (name, prompt)
             seen.update(
@@ -107,12 +112,14 @@ def test_replay_reads_the_targets_statistics_from_the_record(pair, tmp_path):
         target_ids, assistant_ids = _ids(pair, prompt)
         trace = dryrun.record_trace(pair, target_ids, 24)
         good = dryrun.replay(
-            pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
+            pair, trace, RulePlan(make()), prompt_assistant_ids=assistant_ids, profile=profile
         )
         late = dataclasses.replace(
             trace, probs=(1.0, *trace.probs[:-1]), entropies=(0.0, *trace.entropies[:-1])
         )
-        bad = dryrun.replay(pair, late, make(), prompt_assistant_ids=assistant_ids, profile=profile)
+        bad = dryrun.replay(
+            pair, late, RulePlan(make()), prompt_assistant_ids=assistant_ids, profile=profile
+        )
         differ += _rounds(bad.records) != _rounds(good.records)
     assert differ >= 2
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from controllers.learned_plan import LearnedPlan
+from controllers.plans import RulePlan
 from tests.tiny import one_clean_line
-from uag import api, cli
+from uag import api, cli, recipes
+from uag.errors import UagError
 from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
 
@@ -71,7 +74,7 @@ def test_collect_and_generate_settle_on_the_same_assistant(fake_cuda, monkeypatc
     """A controller collects its features and latencies with the assistant generate will run it
     with: the same default on each device, and a controller trained with the int8 assistant
     gets the float one where int8 cannot run (it then warns; the output is unaffected)."""
-    shipped = LearnedPlan(cli.SHIPPED_CONTROLLER)
+    shipped = LearnedPlan(recipes.SHIPPED_CONTROLLER)
     assert shipped.info.assistant_int8 is True
     for argv in (["generate", "--prompt", "x"], ["collect", "--prompts", "m", "--out", "o"]):
         assert _settled(argv, shipped).assistant_int8 is False  # CUDA
@@ -82,7 +85,7 @@ def test_collect_and_generate_settle_on_the_same_assistant(fake_cuda, monkeypatc
 
 
 def test_a_controller_trained_on_the_float_assistant_brings_it(monkeypatch):
-    shipped = LearnedPlan(cli.SHIPPED_CONTROLLER)
+    shipped = LearnedPlan(recipes.SHIPPED_CONTROLLER)
     monkeypatch.setattr(shipped, "info", replace(shipped.info, assistant_int8=False))
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
     note = cli.settle_model_args(args, shipped)
@@ -90,18 +93,22 @@ def test_a_controller_trained_on_the_float_assistant_brings_it(monkeypatch):
     assert note is not None and "--no-assistant-int8" in note
 
 
-def _generate_args(*extra: str) -> argparse.Namespace:
-    return cli.build_parser().parse_args(["generate", "--prompt", "x", *extra])
-
-
-def test_default_policy_is_the_shipped_controllers_fastest_arm_where_it_was_trained():
-    assert cli.DEFAULT_POLICY == "learned+lookup"
-    assert cli.default_policy(_generate_args("--device", "cpu")) == "learned+lookup"
-    assert cli.default_policy(_generate_args("--device", "cpu", "--assistant-int8")) == (
-        "learned+lookup"
+def _pair(**changes) -> SimpleNamespace:
+    """What ``uag.recipes`` reads of a loaded pair: the default one on uag's CPU kernels."""
+    fields = dict(
+        target=SimpleNamespace(ref=DEFAULT_TARGET, device=torch.device("cpu")),
+        assistant=SimpleNamespace(ref=DEFAULT_ASSISTANT),
+        assistant_int8=True,
+        kernels="native",
     )
-    # The shipped controller was trained for exactly that run: nothing to warn about.
-    info = LearnedPlan(cli.SHIPPED_CONTROLLER).info
+    return SimpleNamespace(**{**fields, **changes})
+
+
+def test_the_shipped_plan_runs_where_it_was_trained():
+    assert recipes.shipped_fits(_pair())
+    assert recipes.shipped_fits(_pair(), sampling=True)
+    # The shipped plan was trained for exactly that run: nothing to warn about.
+    info = LearnedPlan(recipes.SHIPPED_CONTROLLER).info
     assert (info.target, info.assistant, info.assistant_int8, info.decoding) == (
         DEFAULT_TARGET,
         DEFAULT_ASSISTANT,
@@ -109,55 +116,59 @@ def test_default_policy_is_the_shipped_controllers_fastest_arm_where_it_was_trai
         "greedy",
     )
     assert str(info.latency_profile["device"]).startswith("cpu")
+    assert LearnedPlan(recipes.SHIPPED_SAMPLING_CONTROLLER).info.decoding == "sampling"
 
 
 @pytest.mark.parametrize(
-    "extra",
+    "change",
     [
-        ["--no-assistant-int8"],
-        ["--dtype", "bfloat16"],
-        ["--target", "some/other-model"],
-        ["--assistant", "gemma-3-270m"],
+        {"assistant_int8": False},
+        {"kernels": "onednn"},  # bfloat16, CUDA: not uag's CPU kernels
+        {"target": SimpleNamespace(ref="some/other-model", device=torch.device("cpu"))},
+        {"assistant": SimpleNamespace(ref="gemma-3-270m")},
     ],
-    ids=lambda e: e[-1],
+    ids=lambda c: next(iter(c)),
 )
-def test_default_policy_falls_back_where_the_shipped_controller_was_not_trained(extra):
-    assert cli.default_policy(_generate_args("--device", "cpu", *extra)) == "static+lookup"
+def test_elsewhere_the_default_is_static_with_calibrated_lookup(change):
+    pair = _pair(**change)
+    assert not recipes.shipped_fits(pair)
+    recipe = recipes.default_plan(pair)
+    assert isinstance(recipe.plan, RulePlan) and recipe.plan.name == "static-3+lookup"
+    assert "shipped plan was trained for" in recipe.why
 
 
-def test_sampling_runs_the_shipped_sampling_plan(monkeypatch, tmp_path):
-    """Under --sample the default is the shipped sampling plan (a plan trained on sampling
-    collections), and without that file the fallback rule."""
-    assert cli.default_policy(_generate_args("--device", "cpu", "--sample")) == "learned+lookup"
-    assert cli.shipped_controller(sampling=True) == cli.SHIPPED_SAMPLING_CONTROLLER
-    assert LearnedPlan(cli.SHIPPED_SAMPLING_CONTROLLER).info.decoding == "sampling"
-    monkeypatch.setattr(cli, "SHIPPED_SAMPLING_CONTROLLER", tmp_path / "gone.onnx")
-    assert cli.default_policy(_generate_args("--device", "cpu", "--sample")) == "static+lookup"
-
-
-def test_default_policy_falls_back_on_cuda(fake_cuda):
-    assert cli.default_policy(_generate_args()) == "static+lookup"
-
-
-def test_a_given_controller_runs_learned_with_lookup():
-    assert cli.default_policy(_generate_args("--controller", "c.onnx", "--sample")) == (
-        "learned+lookup"
-    )
+def test_a_missing_shipped_plan_is_an_error_not_a_fallback(monkeypatch, tmp_path):
+    monkeypatch.setattr(recipes, "SHIPPED_SAMPLING_CONTROLLER", tmp_path / "gone.onnx")
+    with pytest.raises(UagError, match="shipped controller .* is missing"):
+        recipes.default_plan(_pair(), sampling=True)
 
 
 def test_the_shipped_controller_is_found_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.shipped_controller() == cli.SHIPPED_CONTROLLER
-    assert cli.SHIPPED_CONTROLLER.is_absolute() and cli.SHIPPED_CONTROLLER.is_file()
+    assert recipes.shipped_controller() == recipes.SHIPPED_CONTROLLER
+    assert recipes.SHIPPED_CONTROLLER.is_absolute() and recipes.SHIPPED_CONTROLLER.is_file()
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["--policy", "learned"], ["--policy", "learned+lookup"]], ids=str
+    "extra", [["--policy", "learned"], ["--policy", "learned+lookup"]], ids=str
 )
 def test_a_missing_shipped_controller_is_one_clean_line(extra, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "SHIPPED_CONTROLLER", tmp_path / "gone" / "ctrl.onnx")
+    monkeypatch.setattr(recipes, "SHIPPED_CONTROLLER", tmp_path / "gone" / "ctrl.onnx")
     assert cli.main(["generate", "--prompt", "x", "--device", "cpu", *extra]) == 2
     assert "shipped controller" in one_clean_line(capsys)
+
+
+def test_the_library_and_the_cli_run_the_same_plan(tiny_dirs):
+    """``uag.generate(pair, prompt)`` and ``uag generate`` without --policy resolve the same
+    plan object: both take ``Pair.default_plan``."""
+    pair = api.load_pair(*tiny_dirs)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu"])
+    request = cli._plan_request(args)
+    cli.settle_model_args(args)
+    from_cli = request.resolve(pair, args, sampling=False)
+    assert from_cli is pair.default_plan().plan
+    assert api.generate(pair, "ab ab ab", max_new_tokens=4).policy == from_cli.name
+    assert request.resolve(pair, args, sampling=True) is pair.default_plan(sampling=True).plan
 
 
 def test_help_says_int8_is_the_default_on_cpu_and_off_on_cuda(capsys):
@@ -166,7 +177,7 @@ def test_help_says_int8_is_the_default_on_cpu_and_off_on_cuda(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--no-assistant-int8" in out
     assert "off on CUDA" in out
-    assert "default: learned+lookup" in out
+    assert "the product's plan, as uag.generate runs it" in out
 
 
 def test_generate_with_other_models_keeps_static_lookup(tiny_dirs, capsys):

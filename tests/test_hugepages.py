@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from tests.tiny import cross_pair
 from uag.kernels import hugepages, native
@@ -97,11 +98,11 @@ def test_pair_in_huge_pages_decodes_the_same_tokens(tokenizers, monkeypatch):
         first = lm.lean.layers[0]
         assert lm.lean.native.structs[0].qkv.weight == first.qkv.weight_ilv.data_ptr()
     for prompt in ("def f(x):\n    return", "Hello 😀 你好\r\n  x = 10**20"):
-        ref = uag.generate(plain, prompt, policy=None, max_new_tokens=24)
+        ref = uag.generate(plain, prompt, plan=None, max_new_tokens=24)
         for pair in (plain, huge):
-            out = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=24)
+            out = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=24)
             assert out.token_ids == ref.token_ids
-        alone = uag.generate(huge, prompt, policy=None, max_new_tokens=24)
+        alone = uag.generate(huge, prompt, plan=None, max_new_tokens=24)
         assert alone.token_ids == ref.token_ids
 
 

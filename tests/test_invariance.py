@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from tests.tiny import noisy_copy, tiny_gemma
 from uag.api import make_pair
@@ -92,7 +93,7 @@ def _pair(tokenizers, *, dtype: torch.dtype, kernels: str, width: int, split_k: 
     )
     counts: dict[int, int] = {}
     for prompt in PROMPTS:
-        for tok in uag.generate(counting, prompt, policy=None, max_new_tokens=TOKENS).token_ids:
+        for tok in uag.generate(counting, prompt, plan=None, max_new_tokens=TOKENS).token_ids:
             counts[tok] = counts.get(tok, 0) + 1
     _twin_heads(model, sorted(counts, key=counts.__getitem__, reverse=True)[:8])
     return make_pair(
@@ -116,8 +117,10 @@ def _outputs(pair) -> list[tuple[list[int], list[int]]]:
     """(target-alone, speculative with lookahead 6) token ids per prompt."""
     return [
         (
-            uag.generate(pair, p, policy=None, max_new_tokens=TOKENS).token_ids,
-            uag.generate(pair, p, policy=StaticPolicy(k=6), max_new_tokens=TOKENS).token_ids,
+            uag.generate(pair, p, plan=None, max_new_tokens=TOKENS).token_ids,
+            uag.generate(
+                pair, p, plan=RulePlan(StaticPolicy(k=6)), max_new_tokens=TOKENS
+            ).token_ids,
         )
         for p in PROMPTS
     ]

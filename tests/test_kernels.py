@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import (
@@ -79,8 +80,8 @@ def test_plain_kernels_are_claimed_invariant_only_as_checked(tokenizers):
         alone, chunked = one_row_vs_chunked_logits(lm, ids[:5], ids[5:] * 3)
         assert torch.equal(alone, chunked)
     for prompt in ("def f(x):\n    return", "Hello 😀 你好\r\n"):
-        ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
-        out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=24)
+        ref = uag.generate(pair, prompt, plan=None, max_new_tokens=24)
+        out = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=6)), max_new_tokens=24)
         assert out.token_ids == ref.token_ids
 
 
@@ -429,7 +430,7 @@ def test_guard_recomputes_forced_near_ties(tokenizers):
     assert TIE_BOUND > 1e-3
     pair = same_tokenizer_pair(tokenizers, noise=0.02, kernels="plain")
     prompt = "def f(x):\n    return"
-    plain = uag.generate(pair, prompt, policy=None, max_new_tokens=40)
+    plain = uag.generate(pair, prompt, plan=None, max_new_tokens=40)
     later = plain.token_ids[1:]  # the first token comes from the prefill, multi-row in both modes
     winner = max(set(later), key=later.count)  # an often-chosen token
     loser = (winner + 1) % pair.target_lm.vocab_size
@@ -437,15 +438,15 @@ def test_guard_recomputes_forced_near_ties(tokenizers):
     lm.set_pad_rows(0)  # a path that failed the load-time check (uag.runtime.invariance)
     lm.row_invariant = False
     lm._greedy = _RowCountDependentHead(lm._greedy, winner=winner, loser=loser)
-    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=40)
+    ref = uag.generate(pair, prompt, plan=None, max_new_tokens=40)
     assert winner in ref.token_ids[1:]
 
-    guarded = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40)
+    guarded = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=40)
     assert guarded.token_ids == ref.token_ids
     assert sum(r.recomputed for r in guarded.iterations) > 0
 
     lm.row_invariant = True  # claim invariance falsely: the guard is off, and the output breaks
-    unguarded = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40)
+    unguarded = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=40)
     assert unguarded.token_ids != ref.token_ids
 
 
@@ -1006,8 +1007,8 @@ def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(
     assert torch.equal(alone, chunked)
     accepted = 0
     for prompt in NASTY_PROMPTS.values():
-        ref = uag.generate(pair, prompt, policy=None, max_new_tokens=24)
-        out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=24)
+        ref = uag.generate(pair, prompt, plan=None, max_new_tokens=24)
+        out = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=6)), max_new_tokens=24)
         assert out.token_ids == ref.token_ids
         accepted += sum(r.accepted_candidates for r in out.iterations)
     assert accepted > 0  # verification accepted drafts, so multi-row forwards decided tokens

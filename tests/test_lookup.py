@@ -7,6 +7,7 @@ import random
 import pytest
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from controllers.spec import PolicySpec, parse_policy
 from tests.nasty import NASTY_PROMPTS
@@ -117,9 +118,11 @@ REPEATING = "one two three one two three one two three one two"
 def test_lookup_is_lossless_on_nasty_prompts(cross, name):
     """Copied candidates go through the same verify: the output is the target's own."""
     prompt = NASTY_PROMPTS[name] + "\n" + NASTY_PROMPTS[name]  # something to copy
-    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=24)
+    ref = uag.generate(cross, prompt, plan=None, max_new_tokens=24)
     for policy in (StaticPolicy(k=3), NoDraftPolicy()):
-        out = uag.generate(cross, prompt, policy=policy, lookup=PromptLookup(), max_new_tokens=24)
+        out = uag.generate(
+            cross, prompt, plan=RulePlan(policy, lookup=PromptLookup()), max_new_tokens=24
+        )
         assert out.token_ids == ref.token_ids
         assert out.text == ref.text
 
@@ -128,9 +131,9 @@ def test_lookup_rounds_draft_nothing_and_save_forwards(tokenizers):
     """An exact assistant on a repeating prompt: lookup rounds copy, assistant rounds draft,
     both are accepted, and every round's record adds up."""
     pair = same_tokenizer_pair(tokenizers, noise=0.0)
-    ref = uag.generate(pair, REPEATING, policy=None, max_new_tokens=40)
+    ref = uag.generate(pair, REPEATING, plan=None, max_new_tokens=40)
     out = uag.generate(
-        pair, REPEATING, policy=StaticPolicy(k=2), lookup=PromptLookup(), max_new_tokens=40
+        pair, REPEATING, plan=RulePlan(StaticPolicy(k=2), lookup=PromptLookup()), max_new_tokens=40
     )
     assert out.token_ids == ref.token_ids
     assert out.policy == "static-2+lookup"
@@ -143,10 +146,8 @@ def test_lookup_rounds_draft_nothing_and_save_forwards(tokenizers):
 
 def test_lookup_alone_never_drafts(cross):
     prompt = "ab ab ab ab ab ab"
-    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=30)
-    out = uag.generate(
-        cross, prompt, policy=NoDraftPolicy(), lookup=PromptLookup(), max_new_tokens=30
-    )
+    ref = uag.generate(cross, prompt, plan=None, max_new_tokens=30)
+    out = uag.generate(cross, prompt, plan=RulePlan(None, lookup=PromptLookup()), max_new_tokens=30)
     assert out.token_ids == ref.token_ids
     assert out.drafted_tokens == 0
     assert out.policy == "lookup"
@@ -159,7 +160,7 @@ def test_the_assistant_catches_up_after_lookup_rounds(tokenizers):
     it missed, so its drafts continue the real text (an exact assistant stays all-accepted)."""
     pair = same_tokenizer_pair(tokenizers, noise=0.0)
     out = uag.generate(
-        pair, REPEATING, policy=StaticPolicy(k=3), lookup=PromptLookup(), max_new_tokens=60
+        pair, REPEATING, plan=RulePlan(StaticPolicy(k=3), lookup=PromptLookup()), max_new_tokens=60
     )
     after_lookup = [
         r
@@ -170,9 +171,9 @@ def test_the_assistant_catches_up_after_lookup_rounds(tokenizers):
     assert all(r.accepted_drafts == r.drafted for r in after_lookup)
 
 
-def test_lookup_is_refused_where_it_does_not_apply(cross):
-    with pytest.raises(UagError, match="target-only"):
-        uag.generate(cross, "a", policy=None, lookup=PromptLookup(), max_new_tokens=3)
+def test_a_plan_is_a_plan_object_or_none(cross):
+    with pytest.raises(UagError, match="plan must be a Plan, None or 'default'"):
+        uag.generate(cross, "a", plan="lookup", max_new_tokens=3)
 
 
 @pytest.mark.parametrize(
@@ -207,13 +208,15 @@ def test_bad_lookup_specs_are_one_clear_error(text):
         parse_policy(text)
 
 
-def test_lookup_spec_builds_a_policy_that_never_drafts():
+def test_lookup_spec_builds_a_plan_that_never_drafts():
     spec = parse_policy("lookup")
+    plan = spec.plan()
+    assert isinstance(plan, RulePlan) and plan.rule is None and plan.name == "lookup"
+    assert isinstance(plan.lookup, PromptLookup)
     assert isinstance(spec.build(), NoDraftPolicy)
-    assert isinstance(spec.make_lookup(), PromptLookup)
     assert parse_policy("static-2").make_lookup() is None
     with pytest.raises(UagError, match="lookahead"):
-        spec.build(lookahead=3)
+        spec.plan(lookahead=3)
 
 
 def test_exact_replay_copies_the_same_rounds():
@@ -230,17 +233,14 @@ def test_exact_replay_copies_the_same_rounds():
     for prompt in ("the cat sat on the mat, the cat sat on", "def f(x):\n    x = x\n    x"):
         target_ids, assistant_ids = _ids(pair, prompt)
         trace = dryrun.record_trace(pair, target_ids, 30)
-        for make in (lambda: StaticPolicy(k=2), NoDraftPolicy):
-            live = uag.generate(
-                pair, prompt, policy=make(), lookup=PromptLookup(), max_new_tokens=30
-            )
+        for rule in (lambda: StaticPolicy(k=2), lambda: None):
+
+            def make(rule=rule):
+                return RulePlan(rule(), lookup=PromptLookup())
+
+            live = uag.generate(pair, prompt, plan=make(), max_new_tokens=30)
             run = dryrun.replay(
-                pair,
-                trace,
-                make(),
-                prompt_assistant_ids=assistant_ids,
-                profile=profile,
-                lookup=PromptLookup(),
+                pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
             )
             fields = ("lookup", *ROUND_FIELDS)
             assert [tuple(getattr(r, f) for f in fields) for r in run.records] == [
@@ -291,7 +291,9 @@ def test_asked_rounds_see_the_copies_the_lag_and_the_targets_statistics(cross):
     prompt = "the cat sat on the mat, the cat sat on the mat, the cat"
     trace = dryrun.record_trace(cross, _ids(cross, prompt)[0], 40)
     policy = _Recorder()
-    out = uag.generate(cross, prompt, policy=policy, lookup=PromptLookup(), max_new_tokens=40)
+    out = uag.generate(
+        cross, prompt, plan=RulePlan(policy, lookup=PromptLookup()), max_new_tokens=40
+    )
     assert tuple(out.token_ids) == trace.ids
     rounds = out.iterations
     assert policy.seen and any(r.lookup for r in rounds)

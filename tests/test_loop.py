@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import (
@@ -35,8 +36,8 @@ POLICIES = [
 @pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
 def test_cross_tokenizer_lossless_on_nasty_prompts(cross, name):
     prompt = NASTY_PROMPTS[name]
-    ref = uag.generate(cross, prompt, policy=None, max_new_tokens=24)
-    out = uag.generate(cross, prompt, policy=StaticPolicy(k=3), max_new_tokens=24)
+    ref = uag.generate(cross, prompt, plan=None, max_new_tokens=24)
+    out = uag.generate(cross, prompt, plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=24)
     assert out.token_ids == ref.token_ids
     assert out.text == ref.text
 
@@ -44,14 +45,14 @@ def test_cross_tokenizer_lossless_on_nasty_prompts(cross, name):
 @pytest.mark.parametrize("make_policy", POLICIES)
 def test_lossless_with_partial_acceptance(similar, make_policy):
     for prompt in ("def f(x):\n    return", "Hello 😀 你好", "9 9 9 9 9"):
-        ref = uag.generate(similar, prompt, policy=None, max_new_tokens=40)
-        out = uag.generate(similar, prompt, policy=make_policy(), max_new_tokens=40)
+        ref = uag.generate(similar, prompt, plan=None, max_new_tokens=40)
+        out = uag.generate(similar, prompt, plan=RulePlan(make_policy()), max_new_tokens=40)
         assert out.token_ids == ref.token_ids
 
 
 def test_noisy_pair_exercises_accept_and_reject(similar):
     out = uag.generate(
-        similar, "def f(x):\n    return", policy=StaticPolicy(k=4), max_new_tokens=60
+        similar, "def f(x):\n    return", plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=60
     )
     accepted = [r.accepted_candidates for r in out.iterations]
     assert any(a == r.candidates and a > 0 for a, r in zip(accepted, out.iterations, strict=True))
@@ -61,8 +62,8 @@ def test_noisy_pair_exercises_accept_and_reject(similar):
 
 def test_exact_assistant_accepts_everything(tokenizers):
     pair = same_tokenizer_pair(tokenizers, noise=0.0)
-    ref = uag.generate(pair, "The", policy=None, max_new_tokens=30)
-    out = uag.generate(pair, "The", policy=StaticPolicy(k=5), max_new_tokens=30)
+    ref = uag.generate(pair, "The", plan=None, max_new_tokens=30)
+    out = uag.generate(pair, "The", plan=RulePlan(StaticPolicy(k=5)), max_new_tokens=30)
     assert out.token_ids == ref.token_ids
     assert out.acceptance_rate == 1.0
     assert out.target_forwards == 6  # the prompt prefilled alone, then 5 drafted + 1 bonus per pass
@@ -72,8 +73,8 @@ def test_sliding_window_crop_past_window(tokenizers):
     """Window 8, 60 tokens with rejections: crops beyond the window must roll back exactly."""
     pair = same_tokenizer_pair(tokenizers, noise=0.5)
     prompt = "x " * 20
-    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=60)
-    out = uag.generate(pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=60)
+    ref = uag.generate(pair, prompt, plan=None, max_new_tokens=60)
+    out = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=60)
     assert out.token_ids == ref.token_ids
     assert any(r.accepted_candidates < r.candidates for r in out.iterations)
 
@@ -197,7 +198,7 @@ def test_half_kv_cache_for_the_assistant(tokenizers, family):
 
 
 def test_pair_caches_the_assistant_in_half_floats_and_the_target_in_floats(cross):
-    uag.generate(cross, "Hello world", policy=StaticPolicy(k=3), max_new_tokens=12)
+    uag.generate(cross, "Hello world", plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=12)
     if cross.assistant_lm.lean is None or cross.assistant_lm.lean.native is None:
         pytest.skip("the assistant runs without the native layers here")
     assert cross.assistant_lm.cache.keys[0].dtype == torch.float16
@@ -217,7 +218,9 @@ def test_each_draft_step_knows_how_much_of_its_text_repeats(which, request):
 
     pair = request.getfixturevalue(which)
     prompt = "one two three, one two three, one two three, one two"
-    r = uag.generate(pair, prompt, policy=StaticPolicy(k=4), max_new_tokens=40, keep_steps=True)
+    r = uag.generate(
+        pair, prompt, plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=40, keep_steps=True
+    )
     prompt_bytes = pair.bridge.target.bytes_of(encode_prompt(pair, prompt)[0])
     done, seen = 0, []
     for it in r.iterations:
@@ -308,12 +311,12 @@ def test_assistant_prompts_on_the_native_layers_match_its_decode_steps(tokenizer
 
 def test_eos_mid_block_ends_generation(tokenizers):
     pair = same_tokenizer_pair(tokenizers, noise=0.0)
-    ref = uag.generate(pair, "The", policy=None, max_new_tokens=30)
+    ref = uag.generate(pair, "The", plan=None, max_new_tokens=30)
     stop_at = ref.token_ids[7]
     first = ref.token_ids.index(stop_at)
     pair.target.eos_ids = frozenset({stop_at})
-    ref_eos = uag.generate(pair, "The", policy=None, max_new_tokens=30)
-    out = uag.generate(pair, "The", policy=StaticPolicy(k=5), max_new_tokens=30)
+    ref_eos = uag.generate(pair, "The", plan=None, max_new_tokens=30)
+    out = uag.generate(pair, "The", plan=RulePlan(StaticPolicy(k=5)), max_new_tokens=30)
     assert ref_eos.token_ids == ref.token_ids[: first + 1]
     assert out.token_ids == ref_eos.token_ids
     assert out.stop_reason == "eos"
@@ -321,12 +324,12 @@ def test_eos_mid_block_ends_generation(tokenizers):
 
 def test_max_new_tokens_is_exact(similar):
     for n in (1, 2, 7):
-        out = uag.generate(similar, "abc", policy=StaticPolicy(k=4), max_new_tokens=n)
+        out = uag.generate(similar, "abc", plan=RulePlan(StaticPolicy(k=4)), max_new_tokens=n)
         assert out.new_tokens == n
 
 
 def test_no_bos_inside_either_context(cross):
-    uag.generate(cross, "Hello world", policy=StaticPolicy(k=3), max_new_tokens=40)
+    uag.generate(cross, "Hello world", plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=40)
     target_ids = cross.target_lm.ids
     assert target_ids[0] == 2 and 2 not in target_ids[1:]
     bos = cross.assistant.tokenizer.bos_token_id
@@ -337,12 +340,18 @@ def test_confidence_rule_boundary(similar):
     """Threshold 1.0: every token is below it, so each draft stops after exactly one token,
     which is still verified. Threshold 0.0: never stops before the cap."""
     always = uag.generate(
-        similar, "def", policy=ConfidencePolicy(threshold=1.0, max_lookahead=5), max_new_tokens=20
+        similar,
+        "def",
+        plan=RulePlan(ConfidencePolicy(threshold=1.0, max_lookahead=5)),
+        max_new_tokens=20,
     )
     assert all(r.drafted <= 1 for r in always.iterations)
     assert any(r.candidates >= 1 for r in always.iterations)
     never = uag.generate(
-        similar, "def", policy=ConfidencePolicy(threshold=0.0, max_lookahead=5), max_new_tokens=40
+        similar,
+        "def",
+        plan=RulePlan(ConfidencePolicy(threshold=0.0, max_lookahead=5)),
+        max_new_tokens=40,
     )
     assert max(r.drafted for r in never.iterations) == 5
 
@@ -363,7 +372,7 @@ def test_heuristic_schedule():
 
 
 def test_records_add_up(similar):
-    out = uag.generate(similar, "abc", policy=StaticPolicy(k=3), max_new_tokens=25)
+    out = uag.generate(similar, "abc", plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=25)
     assert sum(r.emitted for r in out.iterations) == out.new_tokens
     assert all(r.accepted_drafts <= r.drafted for r in out.iterations)
     assert all(r.accepted_candidates <= r.candidates for r in out.iterations)
@@ -374,7 +383,7 @@ def test_records_add_up(similar):
 def test_streaming_text_matches_result(cross):
     pieces: list[str] = []
     out = uag.generate(
-        cross, "Hi 😀", policy=StaticPolicy(k=2), max_new_tokens=30, on_text=pieces.append
+        cross, "Hi 😀", plan=RulePlan(StaticPolicy(k=2)), max_new_tokens=30, on_text=pieces.append
     )
     streamed = "".join(pieces)
     # Streaming holds back partial characters: what it printed must be exactly the one-shot

@@ -13,7 +13,7 @@ from tests.toy import toy_pair
 from training.export import export_onnx
 from training.plan import PlanData, PlanNet, copy_targets
 from uag.api import encode_prompt, render_prompt
-from uag.decoding.actions import ActionSet, Copy, Draft, Step, copy_lookup
+from uag.decoding.actions import ActionSet, Copy, Draft, Step
 from uag.decoding.drafters import Match
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan_features import (
@@ -24,6 +24,7 @@ from uag.decoding.plan_features import (
     round_state,
 )
 from uag.decoding.profile import LatencyProfile
+from uag.decoding.round import MAX_CANDIDATES
 from uag.decoding.speculative import speculate, target_alone
 from uag.errors import UagError
 
@@ -171,7 +172,7 @@ def toy():
     torch.set_num_threads(before)
 
 
-def _run(pair, prompt, policy, *, tokens=24, lookup=None):
+def _run(pair, prompt, plan, *, tokens=24):
     target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, prompt, chat=False))
     return speculate(
         target=pair.target_lm,
@@ -181,9 +182,8 @@ def _run(pair, prompt, policy, *, tokens=24, lookup=None):
         assistant_eos=pair.assistant.eos_ids,
         prompt_target_ids=target_ids,
         prompt_assistant_ids=assistant_ids,
-        policy=policy,
+        plan=plan,
         max_new_tokens=tokens,
-        lookup=lookup,
     )
 
 
@@ -201,7 +201,7 @@ def test_a_learned_plan_runs_lossless_in_the_loop(toy, tmp_path, bias):
         prompt_ids=target_ids,
         max_new_tokens=24,
     )
-    out = _run(toy, prompt, plan, lookup=copy_lookup())
+    out = _run(toy, prompt, plan)
     assert out.ids == alone.ids
     copies = [a for a in plan.taken if isinstance(a, Copy)]
     if bias > 0:
@@ -215,16 +215,16 @@ def test_a_learned_plan_runs_lossless_in_the_loop(toy, tmp_path, bias):
 class _AlwaysAsks(LearnedPlan):
     """The plan with every round's feature row and network call, never the no-choice skip."""
 
-    def next_action(self, session):
+    def choose(self, session):
         if not session.records:
             self._prompt_bytes = session.bridge.target.bytes_of(session.prompt_ids)
         row = plan_row(
             session,
-            match=self.lookup.match_info(session),
+            match=self.sources.match(session),
             state=round_state(session),
             prompt_bytes=self._prompt_bytes,
         )
-        return self.decide(row, drafts=self.assistant is not None)
+        return self.decide(row, drafts=self.sources.assistant is not None)
 
 
 def test_a_copy_or_step_plan_skips_only_rounds_with_nothing_to_copy(toy, tmp_path):
@@ -236,7 +236,7 @@ def test_a_copy_or_step_plan_skips_only_rounds_with_nothing_to_copy(toy, tmp_pat
     runs = {}
     for kind in (LearnedPlan, _AlwaysAsks):
         plan = kind(tmp_path / "p.onnx")
-        out = _run(toy, prompt, plan, lookup=copy_lookup())
+        out = _run(toy, prompt, plan)
         runs[kind] = (out.ids, list(plan.taken), plan.decisions, len(out.iterations))
     ids, taken, decisions, rounds = runs[LearnedPlan]
     assert (ids, taken) == runs[_AlwaysAsks][:2]
@@ -245,12 +245,12 @@ def test_a_copy_or_step_plan_skips_only_rounds_with_nothing_to_copy(toy, tmp_pat
     assert any(isinstance(a, Copy) for a in taken) and any(isinstance(a, Step) for a in taken)
 
 
-def test_a_plan_needs_lookup_that_copies_as_far_as_a_verify_allows(toy, tmp_path):
+def test_a_learned_plan_copies_as_far_as_a_verify_allows(toy, tmp_path):
+    """A plan's copy length is its action's: its own lookup's table never cuts it."""
     _export_plan(tmp_path / "p.onnx")
-    from uag.decoding.lookup import PromptLookup
-
-    with pytest.raises(ValueError, match="copy_lookup"):
-        _run(toy, "abc abc", LearnedPlan(tmp_path / "p.onnx"), lookup=PromptLookup())
+    plan = LearnedPlan(tmp_path / "p.onnx")
+    assert plan.lookup is not None and min(plan.lookup.max_tokens) == MAX_CANDIDATES
+    assert plan.as_plan(PromptLookup()) is plan  # an offered lookup does not replace it
 
 
 def test_sampling_labels_are_the_accept_probabilities_of_the_copy(toy):
@@ -276,11 +276,10 @@ def test_sampling_labels_are_the_accept_probabilities_of_the_copy(toy):
         assistant_eos=toy.assistant.eos_ids,
         prompt_target_ids=target_ids,
         prompt_assistant_ids=assistant_ids,
-        policy=plan,
+        plan=plan,
         max_new_tokens=24,
         sampling=sampling,
         intersection=toy.intersection(),
-        lookup=copy_lookup(),
     )
     checked = 0
     fresh = toy.target_lm.twin()
@@ -311,7 +310,8 @@ def test_repricing_prices_the_same_rounds_at_each_price_point(toy, tmp_path):
     """Re-pricing (``python -m uag.harness.reprice``): the synthetic profile is what it says
     (a draft at 1/f of a step, a nearly flat verify), every arm is replayed at every price
     point, and the same rounds are cheaper where drafts are."""
-    from uag.harness import dryrun, reprice
+    from scripts import reprice
+    from uag.harness import dryrun
 
     _export_plan(tmp_path / "p.onnx", bias=8.0)
     cheap = reprice.synthetic_profile(PROFILE, draft_fraction=10)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import one_row_vs_chunked_logits, tiny_gemma
@@ -106,7 +107,7 @@ def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch, ca
 
     prompt = NASTY_PROMPTS["emoji_run"]
     outs = [
-        uag.generate(p, prompt, policy=policy, max_new_tokens=12)
+        uag.generate(p, prompt, plan=policy and RulePlan(policy), max_new_tokens=12)
         for p in (second, converted)
         for policy in (None, StaticPolicy(k=4))
     ]
@@ -117,8 +118,8 @@ def test_int8_assistant_prepares_its_own_file(q8_dirs, cache):
     target, assistant = q8_dirs
     pair = uag.load_pair(target, assistant, kernels="native", assistant_int8=True)
     assert pair.assistant_int8 and any("assistant-int8" in f for f in _files(cache))
-    ref = uag.generate(pair, "def f(x):", policy=None, max_new_tokens=8)
-    out = uag.generate(pair, "def f(x):", policy=StaticPolicy(k=3), max_new_tokens=8)
+    ref = uag.generate(pair, "def f(x):", plan=None, max_new_tokens=8)
+    out = uag.generate(pair, "def f(x):", plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=8)
     assert out.token_ids == ref.token_ids
 
 
@@ -182,5 +183,5 @@ def test_a_cache_that_cannot_be_written_still_runs(q8_dirs, cache, monkeypatch):
     pair = uag.load_pair(*q8_dirs, kernels="native")
     assert pair.target.model is None  # prepared, just not saved
     assert _files(cache) == [] and not list(cache.glob("*/*.tmp"))
-    out = uag.generate(pair, "def f(x):", policy=StaticPolicy(k=2), max_new_tokens=6)
-    assert out.token_ids == uag.generate(pair, "def f(x):", policy=None, max_new_tokens=6).token_ids
+    out = uag.generate(pair, "def f(x):", plan=RulePlan(StaticPolicy(k=2)), max_new_tokens=6)
+    assert out.token_ids == uag.generate(pair, "def f(x):", plan=None, max_new_tokens=6).token_ids

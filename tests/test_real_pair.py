@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 
 import uag
+from controllers.plans import RulePlan
 from controllers.rules import ConfidencePolicy, HeuristicPolicy, StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import logits_after_crop_and_fresh, one_row_vs_chunked_logits
@@ -23,22 +25,34 @@ from uag.runtime.runner import CachedLM
 pytestmark = pytest.mark.real
 
 
-@pytest.mark.parametrize("name", sorted(NASTY_PROMPTS))
-def test_lossless_on_nasty_prompts(real_pair, name):
-    prompt = NASTY_PROMPTS[name]
-    ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=16)
-    out = uag.generate(real_pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=16)
-    assert out.token_ids == ref.token_ids, (out.text, ref.text)
-
-
-BF16_CI_PROMPTS = (
+NASTY_CI_PROMPTS = (
+    "combining_accents",
     "cjk",
     "crlf",
     "emoji_run",
     "long_digits",
     "python_deep_indent",
     "special_token_text",
+    "unicode_mix",
 )
+"""The nasty prompts CI runs on the real pair (each kind of trap once; ``-m slow`` runs all)."""
+
+
+def _ci_or_slow(names: tuple[str, ...]) -> list[Any]:
+    return [
+        pytest.param(n, marks=() if n in names else pytest.mark.slow) for n in sorted(NASTY_PROMPTS)
+    ]
+
+
+@pytest.mark.parametrize("name", _ci_or_slow(NASTY_CI_PROMPTS))
+def test_lossless_on_nasty_prompts(real_pair, name):
+    prompt = NASTY_PROMPTS[name]
+    ref = uag.generate(real_pair, prompt, plan=None, max_new_tokens=16)
+    out = uag.generate(real_pair, prompt, plan=RulePlan(StaticPolicy(k=6)), max_new_tokens=16)
+    assert out.token_ids == ref.token_ids, (out.text, ref.text)
+
+
+BF16_CI_PROMPTS = ("cjk", "python_deep_indent", "special_token_text")
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +61,7 @@ def bf16_plain_pair():
     return uag.load_pair(kernels="plain", dtype="bfloat16")
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=() if n in BF16_CI_PROMPTS else pytest.mark.slow)
-        for n in sorted(NASTY_PROMPTS)
-    ],
-)
+@pytest.mark.parametrize("name", _ci_or_slow(BF16_CI_PROMPTS))
 def test_lossless_in_bf16_on_the_plain_path(bf16_plain_pair, name):
     """``--kernels plain --dtype bfloat16``, lookahead 6: the load-time check
     (``uag.runtime.invariance``) settles the path row-count invariant, padded or not, or the
@@ -61,8 +69,8 @@ def test_lossless_in_bf16_on_the_plain_path(bf16_plain_pair, name):
     pair = bf16_plain_pair
     assert pair.kernels == "plain" and pair.target_lm.invariance is not None
     prompt = NASTY_PROMPTS[name]
-    ref = uag.generate(pair, prompt, policy=None, max_new_tokens=16)
-    out = uag.generate(pair, prompt, policy=StaticPolicy(k=6), max_new_tokens=16)
+    ref = uag.generate(pair, prompt, plan=None, max_new_tokens=16)
+    out = uag.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=6)), max_new_tokens=16)
     assert out.token_ids == ref.token_ids, (out.text, ref.text)
 
 
@@ -136,6 +144,7 @@ def plain_target():
     return load_model("gemma-3-270m")
 
 
+@pytest.mark.slow  # 70 s; the bf16 plain-path runs above exercise the guard in CI
 def test_plain_kernel_row_differences_are_far_under_the_guard_bound(real_pair, plain_target):
     """With non-invariant kernels the loop recomputes positions whose top-2 margin is under
     TIE_BOUND; that is safe only while row-count differences stay far below it."""
@@ -165,8 +174,10 @@ def test_real_lean_forward_matches_transformers(real_pair, plain_target):
 
 def test_lossless_with_chat_template(real_pair):
     prompt = "Write a Python function that reverses a string."
-    ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=24, chat=True)
-    out = uag.generate(real_pair, prompt, policy=ConfidencePolicy(), max_new_tokens=24, chat=True)
+    ref = uag.generate(real_pair, prompt, plan=None, max_new_tokens=24, chat=True)
+    out = uag.generate(
+        real_pair, prompt, plan=RulePlan(ConfidencePolicy()), max_new_tokens=24, chat=True
+    )
     assert out.token_ids == ref.token_ids
     assert ref.prompt_tokens > 10
     ids = real_pair.target_lm.ids
@@ -176,7 +187,7 @@ def test_lossless_with_chat_template(real_pair):
 def test_pair_actually_agrees(real_pair):
     """Sanity: on easy code the assistant's drafts are accepted often (the bridge lines up)."""
     prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return"
-    out = uag.generate(real_pair, prompt, policy=StaticPolicy(k=3), max_new_tokens=24)
+    out = uag.generate(real_pair, prompt, plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=24)
     assert out.acceptance_rate > 0.3
     assert out.tokens_per_forward > 1.3
 
@@ -184,9 +195,11 @@ def test_pair_actually_agrees(real_pair):
 def test_long_prompt_past_sliding_window(real_pair):
     """Over 600 prompt tokens: Gemma 3's 512-token sliding layers must roll back on rejection."""
     prompt = "\n\n".join(NASTY_PROMPTS[k] for k in sorted(NASTY_PROMPTS)) + "\n\nSummary:"
-    ref = uag.generate(real_pair, prompt, policy=None, max_new_tokens=24)
+    ref = uag.generate(real_pair, prompt, plan=None, max_new_tokens=24)
     assert ref.prompt_tokens > 600
-    out = uag.generate(real_pair, prompt, policy=HeuristicPolicy(start=4), max_new_tokens=24)
+    out = uag.generate(
+        real_pair, prompt, plan=RulePlan(HeuristicPolicy(start=4)), max_new_tokens=24
+    )
     assert out.token_ids == ref.token_ids
     assert any(r.accepted_candidates < r.candidates for r in out.iterations)
 
@@ -229,7 +242,7 @@ def test_cli_generate_compare_json():
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["identical"] is True
-    assert result["policy"] == "learned+lookup"  # the default: the shipped controller's arm
+    assert result["policy"] == "learned"  # the default: the shipped plan
     assert result["new_tokens"] == 12
     for key in (
         "text",
@@ -243,17 +256,19 @@ def test_cli_generate_compare_json():
         assert key in result
 
 
-@pytest.mark.parametrize("name", ["python_deep_indent", "cjk", "crlf"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("python_deep_indent", marks=pytest.mark.slow), "cjk", "crlf"]
+)
 def test_default_generate_is_the_target_alone(name, capsys):
     """``uag generate`` with no policy or precision flag (the shipped controller's
-    learned+lookup, the int8 assistant on CPU) emits the target's own tokens."""
+    the learned plan, the int8 assistant on CPU) emits the target's own tokens."""
     from uag.cli import main
 
     argv = ["generate", "--prompt", NASTY_PROMPTS[name], "--max-new-tokens", "16"]
     assert main([*argv, "--compare-target-only", "--json"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
-    assert result["identical"] is True and result["policy"] == "learned+lookup"
+    assert result["identical"] is True and result["policy"] == "learned"
     assert "warning" not in captured.err  # the controller runs where it was trained
 
 
@@ -269,8 +284,10 @@ def test_default_generate_is_the_target_alone(name, capsys):
 )
 def test_lossless_long_generations(real_pair, make_policy):
     for name in sorted(NASTY_PROMPTS):
-        ref = uag.generate(real_pair, NASTY_PROMPTS[name], policy=None, max_new_tokens=64)
-        out = uag.generate(real_pair, NASTY_PROMPTS[name], policy=make_policy(), max_new_tokens=64)
+        ref = uag.generate(real_pair, NASTY_PROMPTS[name], plan=None, max_new_tokens=64)
+        out = uag.generate(
+            real_pair, NASTY_PROMPTS[name], plan=RulePlan(make_policy()), max_new_tokens=64
+        )
         assert out.token_ids == ref.token_ids, name
 
 
@@ -281,8 +298,10 @@ def test_lossless_with_float_assistant():
     pair = uag.load_pair(assistant_int8=False)
     assert not pair.assistant_int8
     for name in ("python_deep_indent", "unicode_mix", "crlf", "long_digits"):
-        ref = uag.generate(pair, NASTY_PROMPTS[name], policy=None, max_new_tokens=32)
-        out = uag.generate(pair, NASTY_PROMPTS[name], policy=StaticPolicy(k=3), max_new_tokens=32)
+        ref = uag.generate(pair, NASTY_PROMPTS[name], plan=None, max_new_tokens=32)
+        out = uag.generate(
+            pair, NASTY_PROMPTS[name], plan=RulePlan(StaticPolicy(k=3)), max_new_tokens=32
+        )
         assert out.token_ids == ref.token_ids, name
 
 
@@ -295,7 +314,6 @@ def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
     from controllers.learned import LearnedPolicy
     from controllers.learned_plan import LearnedPlan
     from uag.api import encode_prompt, render_prompt
-    from uag.decoding.actions import copy_lookup
     from uag.decoding.profile import LatencyProfile
     from uag.harness import dryrun
 
@@ -309,27 +327,21 @@ def test_exact_replay_makes_the_loops_rounds_on_the_real_pair(real_pair):
             real_pair, render_prompt(real_pair, prompt, chat=False)
         )
         trace = dryrun.record_trace(real_pair, target_ids, 24)
-        for make, lookup in (
-            (lambda: StaticPolicy(k=3), lambda: None),
-            (lambda: LearnedPolicy(shipped), lambda: None),
-            (lambda: LearnedPlan(exports / "ctrl.onnx"), copy_lookup),
+        for make in (
+            lambda: RulePlan(StaticPolicy(k=3)),
+            lambda: RulePlan(LearnedPolicy(shipped)),
+            lambda: LearnedPlan(exports / "ctrl.onnx"),
         ):
-            live = uag.generate(
-                real_pair, prompt, policy=make(), lookup=lookup(), max_new_tokens=24
-            )
+            live = uag.generate(real_pair, prompt, plan=make(), max_new_tokens=24)
             run = dryrun.replay(
-                real_pair,
-                trace,
-                make(),
-                prompt_assistant_ids=assistant_ids,
-                profile=profile,
-                lookup=lookup(),
+                real_pair, trace, make(), prompt_assistant_ids=assistant_ids, profile=profile
             )
             assert tuple(live.token_ids) == trace.ids
             rounds = [[getattr(r, f) for f in fields] for r in run.records]
             assert rounds == [[getattr(r, f) for f in fields] for r in live.iterations], name
 
 
+@pytest.mark.slow  # loads the target a second time as a float assistant (~60 s)
 def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
     """Issue 9's lock-in: the schema-1 controller read a short, fully accepted round as a reason
     to stop, and froze into skipping. With the target as its own assistant every draft is
@@ -344,7 +356,7 @@ def test_shipped_controller_keeps_drafting_when_every_draft_is_accepted():
     )  # the float assistant: the target's own logits, so every draft is accepted
     policy = LearnedPolicy(Path(__file__).resolve().parents[1] / "exports" / "ctrl-stop.onnx")
     for name in ("python_deep_indent", "prose", "cjk"):
-        out = uag.generate(pair, NASTY_PROMPTS[name], policy=policy, max_new_tokens=48)
+        out = uag.generate(pair, NASTY_PROMPTS[name], plan=RulePlan(policy), max_new_tokens=48)
         rounds, room = [], 48
         for r in out.iterations:
             if room > 1 and r is not out.iterations[0]:  # round 0: the prompt; room 1: no draft
@@ -369,7 +381,7 @@ def test_shipped_plan_keeps_copying_when_every_copy_is_accepted(real_pair):
 
     from controllers.learned_plan import LearnedPlan
     from uag.api import encode_prompt, render_prompt
-    from uag.decoding.actions import Copy, Step, copy_lookup
+    from uag.decoding.actions import Copy, Step
     from uag.decoding.profile import LatencyProfile
     from uag.decoding.round import MAX_CANDIDATES
     from uag.harness import dryrun
@@ -390,12 +402,7 @@ def test_shipped_plan_keeps_copying_when_every_copy_is_accepted(real_pair):
         )
         plan = LearnedPlan(plan_file)
         run = dryrun.replay(
-            real_pair,
-            trace,
-            plan,
-            prompt_assistant_ids=assistant_ids,
-            profile=profile,
-            lookup=copy_lookup(),
+            real_pair, trace, plan, prompt_assistant_ids=assistant_ids, profile=profile
         )
         records = run.records
         first_full = next(

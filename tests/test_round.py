@@ -8,11 +8,13 @@ import random
 import pytest
 
 import uag
+from controllers.plans import RulePlan, TargetOnlyPlan
 from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from uag.api import encode_prompt
-from uag.decoding.drafters import LookupDrafter, LookupFirst, NoDraft
+from uag.decoding.drafters import LookupDrafter
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import Plan, PlanRunner, Sources
 from uag.decoding.round import Drafter, Proposal, Session, decode
 from uag.decoding.speculative import target_alone
 from uag.decoding.stopwatch import Stopwatch
@@ -66,8 +68,14 @@ class _Always:
     def __init__(self, drafter: Drafter) -> None:
         self.drafters = (drafter,)
 
-    def choose(self, session: Session) -> Drafter | None:
-        return self.drafters[0] if session.target.cached else None
+    def choose(self, session: Session) -> tuple[str, Drafter | None]:
+        return ("third", self.drafters[0]) if session.target.cached else ("step", None)
+
+
+def _runner(plan: Plan, sources: Sources) -> PlanRunner:
+    runner = PlanRunner(plan)
+    runner.begin(sources)
+    return runner
 
 
 @pytest.mark.parametrize(
@@ -77,7 +85,9 @@ def test_the_round_with_no_drafter_is_the_target_alone(cross, name):
     prompt = NASTY_PROMPTS[name]
     ref = _reference(cross, prompt, max_new_tokens=12)
     out = decode(
-        session=_session(cross, prompt, max_new_tokens=12), choice=NoDraft(), on_tokens=None
+        session=_session(cross, prompt, max_new_tokens=12),
+        choice=_runner(TargetOnlyPlan(), Sources()),
+        on_tokens=None,
     )
     assert out.ids == ref
     assert all(r.candidates == 0 and r.emitted == 1 for r in out.iterations)
@@ -116,7 +126,8 @@ def test_any_drafter_plugs_into_the_round_and_the_output_stays_the_targets(cross
 def test_lookup_alone_is_a_drafter_in_the_fixed_choice(similar):
     prompt = "1 2 3 1 2 3 1 2 3 1 2"
     ref = _reference(similar, prompt, max_new_tokens=24)
-    choice = LookupFirst(lookup=LookupDrafter(PromptLookup()))
+    lookup = PromptLookup()
+    choice = _runner(RulePlan(None, lookup=lookup), Sources(lookup=LookupDrafter(lookup)))
     out = decode(
         session=_session(similar, prompt, max_new_tokens=24), choice=choice, on_tokens=None
     )
@@ -129,9 +140,8 @@ def test_the_time_split_is_disjoint_phases_of_the_round(similar):
     out = uag.generate(
         similar,
         "def f(x):\n    return",
-        policy=StaticPolicy(k=3),
+        plan=RulePlan(StaticPolicy(k=3), lookup=PromptLookup()),
         max_new_tokens=24,
-        lookup=PromptLookup(),
     )
     for r in out.iterations:
         phases = r.draft_s + r.verify_s + r.bridge_s + r.policy_s

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from controllers.plans import RulePlan
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from uag.api import encode_prompt
 from uag.decoding.lookup import PromptLookup
@@ -353,10 +354,9 @@ def _run_many(pair, prompt_t, prompt_a, cfg, seeds, policy=None, lookup=False):
             assistant_eos=frozenset(),
             prompt_target_ids=prompt_t,
             prompt_assistant_ids=prompt_a,
-            policy=policy or StaticPolicy(k=2),
+            plan=RulePlan(policy or StaticPolicy(k=2), lookup=PromptLookup() if lookup else None),
             max_new_tokens=4,
             sampling=run,
-            lookup=PromptLookup() if lookup else None,
         )
         drafted += sum(r.drafted for r in out.iterations)
         accepted += sum(r.accepted_candidates for r in out.iterations)
@@ -512,8 +512,8 @@ def test_copies_and_steps_emit_target_alone_sampling_token_for_token():
         out = speculate(
             target=pair.target_lm, assistant=pair.assistant_lm, bridge=pair.bridge,
             intersection=pair.intersection(), target_eos=frozenset(), assistant_eos=frozenset(),
-            prompt_target_ids=prompt_t, prompt_assistant_ids=prompt_a, policy=NoDraftPolicy(),
-            max_new_tokens=24, sampling=cfg, lookup=PromptLookup(),
+            prompt_target_ids=prompt_t, prompt_assistant_ids=prompt_a, plan=RulePlan(None, lookup=PromptLookup()),
+            max_new_tokens=24, sampling=cfg,
         )  # fmt: skip
         assert out.ids == alone, seed
         copied += sum(r.candidates for r in out.iterations if r.lookup)

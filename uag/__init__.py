@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from uag.api import GenerationResult, Pair, generate, load_pair
     from uag.decoding.lookup import PromptLookup
+    from uag.decoding.plan import Plan
     from uag.decoding.sampling import SamplingConfig
     from uag.errors import UagError
 
@@ -20,6 +21,7 @@ _WHERE = {
     "Pair": "uag.api",
     "generate": "uag.api",
     "load_pair": "uag.api",
+    "Plan": "uag.decoding.plan",
     "PromptLookup": "uag.decoding.lookup",
     "SamplingConfig": "uag.decoding.sampling",
     "UagError": "uag.errors",
@@ -27,6 +29,7 @@ _WHERE = {
 __all__ = [
     "GenerationResult",
     "Pair",
+    "Plan",
     "PromptLookup",
     "SamplingConfig",
     "UagError",

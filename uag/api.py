@@ -1,9 +1,9 @@
-"""The public Python API: load a model pair once, generate with any stop policy.
+"""The public Python API: load a model pair once, generate with the product's plan or any other.
 
 import uag
 pair = uag.load_pair()                                  # gemma-3-270m ← smollm2-135m
-out = uag.generate(pair, "def fib(n):", max_new_tokens=64)
-ref = uag.generate(pair, "def fib(n):", max_new_tokens=64, policy=None)  # target alone
+out = uag.generate(pair, "def fib(n):", max_new_tokens=64)   # the plan uag generate runs
+ref = uag.generate(pair, "def fib(n):", max_new_tokens=64, plan=None)  # target alone
 assert out.token_ids == ref.token_ids
 """
 
@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from controllers.rules import StaticPolicy
+from uag import recipes
 from uag.decoding.bridge import Bridge
-from uag.decoding.lookup import PromptLookup
-from uag.decoding.policy import StopPolicy
-from uag.decoding.round import IterationRecord, StopReason
+from uag.decoding.plan import Plan
+from uag.decoding.round import IterationRecord, LoopOutput, OnTokens, StopReason
 from uag.decoding.sampling import (
     Intersection,
     SamplingConfig,
@@ -60,6 +59,28 @@ class Pair:
     kernels: str = "plain"
     """Kernels the models run on: ``native`` (uag's, CPU fp32), ``onednn`` or ``plain``."""
     _intersection: Intersection | None = field(default=None, repr=False)
+    _recipes: dict[bool, recipes.Recipe] = field(default_factory=dict, repr=False)
+
+    def default_plan(self, *, sampling: bool = False) -> recipes.Recipe:
+        """The product's plan for this pair (``uag.recipes.default_plan``), built once per
+        decoding mode: what ``generate`` runs without ``plan=``, as ``uag generate`` does."""
+        if sampling not in self._recipes:
+            self._recipes[sampling] = recipes.default_plan(self, sampling=sampling)
+        return self._recipes[sampling]
+
+    def sampling(
+        self,
+        *,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> SamplingConfig:
+        """Sampling as ``uag generate --sample`` sets it: each value given here, else the
+        target's ``generation_config``, else the built-in one (``uag.recipes``)."""
+        return recipes.sampling_settings(
+            self.target.ref, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        ).config
 
     def intersection(self) -> Intersection:
         """The vocabulary intersection speculative sampling drafts from (built on first use)."""
@@ -87,7 +108,8 @@ class GenerationResult:
     stop_reason: StopReason
     seconds: float
     policy: str
-    """Policy name, or ``target-only``."""
+    """The plan's name (``RulePlan``'s in the policy grammar: ``static-3+lookup``), or
+    ``target-only``."""
     iterations: list[IterationRecord]
 
     @property
@@ -384,34 +406,32 @@ def generate(
     pair: Pair,
     prompt: str | list[str],
     *,
-    policy: StopPolicy | None | str = "default",
+    plan: Plan | None | str = "default",
     max_new_tokens: int = 128,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     keep_steps: bool = False,
     sampling: SamplingConfig | None = None,
-    lookup: PromptLookup | None = None,
 ) -> GenerationResult:
-    """Greedy generation, or sampling with ``sampling``; ``policy=None`` runs the target alone
-    (the reference: the same output when greedy, the same distribution when sampling).
+    """Greedy generation, or sampling with ``sampling``. ``plan`` chooses each round's action
+    (``uag.decoding.plan``): by default the product's (``Pair.default_plan``, what ``uag
+    generate`` runs); ``None`` runs the target alone (the reference: the same output when
+    greedy, the same distribution when sampling).
 
-    ``on_text`` receives decoded text as it is accepted (whole characters only). ``lookup``
-    verifies copied continuations before drafting (``uag.decoding.lookup``).
+    ``on_text`` receives decoded text as it is accepted (whole characters only).
     """
     text_prompt = render_prompt(pair, check_prompt(prompt), chat=chat)
     if max_new_tokens < 1:
         raise UagError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if policy == "default":
-        policy = StaticPolicy(k=3)
-    if isinstance(policy, str):
-        raise UagError(f"policy must be a StopPolicy or None, got the string {policy!r}")
-    if lookup is not None and policy is None:
-        raise UagError("prompt lookup runs in the speculative loop: not with target-only")
+    if isinstance(plan, str):
+        if plan != "default":
+            raise UagError(f"plan must be a Plan, None or 'default', got the string {plan!r}")
+        plan = pair.default_plan(sampling=sampling is not None).plan
     target_ids, assistant_ids = encode_prompt(pair, text_prompt)
     _check_length(pair, target_ids, assistant_ids, max_new_tokens)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
-    if policy is None:
+    if plan is None:
         out = target_alone(
             target=pair.target_lm,
             target_eos=pair.target.eos_ids,
@@ -421,21 +441,15 @@ def generate(
             on_tokens=stream,
         )
     else:
-        out = speculate(
-            target=pair.target_lm,
-            assistant=pair.assistant_lm,
-            bridge=pair.bridge,
-            target_eos=pair.target.eos_ids,
-            assistant_eos=pair.assistant.eos_ids,
-            prompt_target_ids=target_ids,
-            prompt_assistant_ids=assistant_ids,
-            policy=policy,
+        out = speculate_on(
+            pair,
+            target_ids=target_ids,
+            assistant_ids=assistant_ids,
+            plan=plan,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
-            intersection=pair.intersection() if sampling is not None else None,
             on_tokens=stream,
             keep_steps=keep_steps,
-            lookup=lookup,
         )
     seconds = time.perf_counter() - started
     if stream:
@@ -446,18 +460,41 @@ def generate(
         prompt_tokens=len(target_ids),
         stop_reason=out.stop_reason,
         seconds=seconds,
-        policy=_arm_name(policy, lookup),
+        policy="target-only" if plan is None else plan.name,
         iterations=out.iterations,
     )
 
 
-def _arm_name(policy: StopPolicy | None, lookup: PromptLookup | None) -> str:
-    if policy is None:
-        return "target-only"
-    if lookup is None or policy.name in ("lookup", "bandit"):
-        return policy.name
-    hybrid = "" if lookup.min_ngram == 1 else f"-{lookup.min_ngram}"  # +lookup-N
-    return f"{policy.name}+lookup{hybrid}"
+def speculate_on(
+    pair: Pair,
+    *,
+    target_ids: list[int],
+    assistant_ids: list[int],
+    plan: Plan,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    on_tokens: OnTokens | None = None,
+    keep_steps: bool = False,
+) -> LoopOutput:
+    """``speculate`` on ``pair`` (its cached models, bridge, stop tokens and, sampling, the
+    vocabularies' intersection) from a prompt already encoded for both models: the one place a
+    pair is taken apart for the loop, for ``generate`` and for runs whose plan reads every
+    round itself (``uag collect --plan``'s sampled runs label each round start)."""
+    return speculate(
+        target=pair.target_lm,
+        assistant=pair.assistant_lm,
+        bridge=pair.bridge,
+        target_eos=pair.target.eos_ids,
+        assistant_eos=pair.assistant.eos_ids,
+        prompt_target_ids=target_ids,
+        prompt_assistant_ids=assistant_ids,
+        plan=plan,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        intersection=pair.intersection() if sampling is not None else None,
+        on_tokens=on_tokens,
+        keep_steps=keep_steps,
+    )
 
 
 class _Streamer:

@@ -25,11 +25,11 @@ from tqdm import tqdm
 
 from controllers.learned import LearnedPolicy
 from controllers.learned_plan import LearnedPlan, load_controller
-from controllers.spec import parse_policy
+from controllers.spec import PolicySpec, parse_policy
 from training.config import TrainConfig
-from uag import api
-from uag.decoding.actions import copy_lookup
+from uag import api, recipes
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import Plan
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
 from uag.harness import calibration, launcher
@@ -40,9 +40,9 @@ from uag.harness.bench import (
     run_bench,
     write_report,
 )
-from uag.harness.calibration import CalibrateConfig, lookup_lengths
+from uag.harness.calibration import CalibrateConfig
 from uag.harness.collect import CollectConfig, collect, collect_for_plan, parse_shard
-from uag.harness.jobs import RunConfig
+from uag.harness.jobs import RunConfig, load_pair_of
 from uag.harness.prompts import load_prompts
 from uag.kernels.choice import KERNEL_CHOICES, resolve_kernels
 from uag.paths import cache_root
@@ -79,6 +79,12 @@ def default_of(cls: type, name: str) -> Any:
             if f.default_factory is not MISSING:
                 return f.default_factory()
     raise KeyError(f"{cls.__name__} has no default for {name!r}")
+
+
+def _add_config_flag(p: Any, flag: str, config: type, **kwargs: Any) -> None:
+    """Add ``flag`` with the default of the ``config`` field it sets (``--max-epochs`` sets
+    ``max_epochs``): the flag names its field once, and its default stays the config's."""
+    p.add_argument(flag, default=default_of(config, flag[2:].replace("-", "_")), **kwargs)
 
 
 def config_from_args(cls: type[Config], args: argparse.Namespace, **given: Any) -> Config:
@@ -130,14 +136,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="assistant (draft) model, same kinds of reference (default: the one a --controller "
         f"was trained for, else {DEFAULT_ASSISTANT})",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--device",
-        default=default_of(RunConfig, "device"),
+        RunConfig,
         help="auto (CUDA when present), cpu or cuda (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--dtype",
-        default=default_of(RunConfig, "dtype"),
+        RunConfig,
         help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
     )
     p.add_argument(
@@ -151,9 +159,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "it can run: on for CPU float32, off on CUDA and in bfloat16/float16, where the int8 "
         "kernels do not run)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--kernels",
-        default=default_of(RunConfig, "kernels"),
+        RunConfig,
         choices=list(KERNEL_CHOICES),
         help="linear kernels on a float32 CPU: auto picks native (uag's own AVX2 kernel, built "
         "once with the C compiler: each weight read once per step, bitwise equal per row "
@@ -216,50 +225,8 @@ def settle_model_args(args: argparse.Namespace, controller: Any = None) -> str |
     )
 
 
-SHIPPED_CONTROLLER = Path(__file__).parent / "shipped" / "ctrl.onnx"
-"""The controller this checkout ships: ``exports/ctrl.onnx`` through the link in
-``uag/shipped``, or its copy inside an installed wheel (found from any directory)."""
-
-SHIPPED_SAMPLING_CONTROLLER = Path(__file__).parent / "shipped" / "ctrl-sampling.onnx"
-"""The plan this checkout ships for ``--sample`` (``exports/ctrl-sampling.onnx``)."""
-
-DEFAULT_POLICY = "learned+lookup"
-"""``uag generate``'s policy where the shipped controller was trained for the run: the faster of
-its two arms in the held-out bench (README, docs/results.md: learned+lookup 1.57x target-only,
-learned 1.11x)."""
-FALLBACK_POLICY = "static+lookup"
-"""Where it was not (sampling, CUDA, a half dtype, another pair, a float assistant): its
-thresholds were chosen for another cost, and a default should not warn on every run."""
-
-
-def shipped_controller(*, sampling: bool = False) -> Path:
-    """The shipped controller's path (greedy, or ``sampling``'s), beside the package whatever
-    the working directory."""
-    path = SHIPPED_SAMPLING_CONTROLLER if sampling else SHIPPED_CONTROLLER
-    if not path.is_file():
-        raise UagError(
-            f"the shipped controller {path} is missing (an incomplete install?): "
-            "give one with --controller PATH.onnx, or another --policy (e.g. static+lookup)"
-        )
-    return path
-
-
-def default_policy(args: argparse.Namespace) -> str:
-    """The policy ``uag generate`` runs without ``--policy``: ``learned+lookup`` with
-    ``--controller``'s controller or, for the default pair with the int8 assistant (CPU
-    float32, as the shipped plans were trained), with the shipped one (greedy, or the sampling
-    plan under ``--sample``); else ``static+lookup``. A plan chooses every round's action, so
-    ``+lookup`` only says that it may copy. Reads only flags: decided before any model loads."""
-    if args.controller is not None:
-        return DEFAULT_POLICY
-    shipped_fits = (
-        (not args.sample or SHIPPED_SAMPLING_CONTROLLER.is_file())
-        and args.target in (None, DEFAULT_TARGET)
-        and args.assistant in (None, DEFAULT_ASSISTANT)
-        and args.assistant_int8 is not False
-        and api.resolve_assistant_int8(None, device=args.device, dtype=args.dtype)
-    )
-    return DEFAULT_POLICY if shipped_fits else FALLBACK_POLICY
+SHIPPED_CONTROLLER = recipes.SHIPPED_CONTROLLER
+SHIPPED_SAMPLING_CONTROLLER = recipes.SHIPPED_SAMPLING_CONTROLLER
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -288,9 +255,10 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         "or more, else the assistant drafts (the hybrid rule); bandit picks each round's arm "
         "(plain step, copy, static-1/2/4) by UCB1 on its tokens per second, per prompt; lookup "
         "alone uses no assistant drafts. The same names as uag bench "
-        "--policies (default: learned+lookup, the fastest arm of the shipped controller, for "
-        "greedy decoding of the default pair on CPU float32 with the int8 assistant, or with "
-        "--controller; else static+lookup, i.e. static-3+lookup)",
+        "--policies (default: the product's plan, as uag.generate runs it: the shipped plan "
+        "(learned+lookup) for the default pair with the int8 assistant on uag's CPU kernels, "
+        "greedy or --sample; learned+lookup with --controller; else static-3+lookup; lookup "
+        "copies the lengths uag calibrate chose on this machine, where it has run)",
     )
     p.add_argument(
         "--controller",
@@ -384,38 +352,7 @@ def _integer(flag: str, *, low: int | None = None, high: int | None = None) -> A
     return parse
 
 
-BUILT_IN_SAMPLING: dict[str, float | None] = {"temperature": 1.0, "top_k": None, "top_p": 1.0}
-"""What ``--sample`` uses where neither a flag nor the target's ``generation_config`` says."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """``--sample``'s settings, resolved: each from its flag, else the target's
-    ``generation_config`` (as Transformers' ``generate`` does), else ``BUILT_IN_SAMPLING``."""
-
-    config: SamplingConfig
-    source: dict[str, str]
-    """Setting → where its value came from, in words."""
-
-    def describe(self) -> str:
-        """One line: what sampling used, and where each value came from."""
-        c = self.config
-        shown = {
-            "temperature": f"temperature {c.temperature:g}",
-            "top_k": "top-k off" if c.top_k is None else f"top-k {c.top_k}",
-            "top_p": "top-p off" if c.top_p >= 1 else f"top-p {c.top_p:g}",
-        }
-        by_source: dict[str, list[str]] = {}
-        for name, text in shown.items():
-            by_source.setdefault(self.source[name], []).append(text)
-        said = "; ".join(f"{', '.join(texts)} ({where})" for where, texts in by_source.items())
-        return f"sampling: {said}; " + ("random seed" if c.seed is None else f"seed {c.seed}")
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready: the values and their sources."""
-        c = self.config
-        values = {"temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p}
-        return {**values, "seed": c.seed, "source": dict(self.source)}
+Sampling = recipes.SamplingSettings
 
 
 def sampling_config(args: argparse.Namespace) -> Sampling | None:
@@ -428,20 +365,13 @@ def sampling_config(args: argparse.Namespace) -> Sampling | None:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             raise UagError(f"{flags} only apply with --sample")
         return None
-    declared = models.generation_defaults(args.target)
-    values: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    for name, built_in in BUILT_IN_SAMPLING.items():
-        if getattr(args, name) is not None:
-            values[name], source[name] = getattr(args, name), "given"
-        elif name in declared:
-            values[name] = declared[name]
-            source[name] = f"{args.target}'s generation_config"
-        else:
-            values[name], source[name] = built_in, "built-in default"
-    if values["top_k"] == 0:  # --top-k 0: off, as in a generation_config
-        values["top_k"] = None
-    return Sampling(SamplingConfig(**values, seed=args.seed), source)
+    return recipes.sampling_settings(
+        args.target,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -487,97 +417,154 @@ def _stats_line(result: Any, sampling: Sampling | None = None) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    """``uag generate``: the flags resolved, the pair loaded, the plan from ``uag.recipes``
+    (or the one asked for), then the run, compared with the target alone when asked."""
     prompt = _read_prompt(args)
     if args.sample and args.compare_target_only:
         raise UagError(
             "--compare-target-only checks token identity, which sampled outputs do not have "
             "(they match the target in distribution; tests/test_sampling.py checks that)"
         )
+    request = _plan_request(args)
+    adopted = settle_model_args(args, request.controller)
+    sampling = sampling_config(args)
+    if sampling is not None and sampling.config.seed is None:  # drawn here to be reported
+        sampling = replace(sampling, config=replace(sampling.config, seed=secrets.randbits(63)))
+    pair = load_pair_of(args)
+    if adopted:
+        print(adopted, file=sys.stderr)
+    plan = request.resolve(pair, args, sampling=sampling is not None)
+    run = GenerateRun(
+        pair=pair,
+        prompt=prompt,
+        plan=plan,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        sampling=None if sampling is None else sampling.config,
+    )
+    if args.compare_target_only:
+        result, reference, identical = run.compared(stream=None if args.json else _stream)
+    else:
+        result, reference, identical = run.once(stream=None if args.json else _stream), None, True
+    return _print_generate(args, result, reference, identical=identical, sampling=sampling)
 
-    # Unless a policy is written out, prompt lookup goes first (lossless, and a copy costs no
-    # assistant forward); a written policy is taken as written.
-    spec = parse_policy(args.policy or default_policy(args))
+
+@dataclass
+class PlanRequest:
+    """What ``--policy`` / ``--controller`` asked for, checked before any model loads: the
+    spec (None: the product's default plan) and the controller file, loaded (a bad file fails
+    in a second, not after the models)."""
+
+    spec: PolicySpec | None
+    controller: LearnedPlan | LearnedPolicy | None = None
+
+    def resolve(self, pair: api.Pair, args: argparse.Namespace, *, sampling: bool) -> Plan | None:
+        """The plan to run on the loaded ``pair`` (None: the target alone)."""
+        if self.controller is not None:
+            self.controller.warn_if_foreign(
+                target=args.target,
+                assistant=args.assistant,
+                assistant_int8=args.assistant_int8,
+                device=pair.target.device.type,
+                decoding="sampling" if sampling else "greedy",
+                draft_vocab=pair.draft_vocab,
+            )
+            lookup = self.spec.make_lookup(recipes.lookup_lengths(pair)) if self.spec else None
+            return self.controller.as_plan(lookup)
+        if self.spec is None:
+            return pair.default_plan(sampling=sampling).plan
+        if self.spec.kind == "target-only":
+            return None
+        return self.spec.plan(
+            lookahead=args.lookahead,
+            threshold=args.threshold,
+            lengths=recipes.lookup_lengths(pair) if self.spec.lookup else None,
+        )
+
+
+def _plan_request(args: argparse.Namespace) -> PlanRequest:
+    """``--policy`` and ``--controller`` as one request (``PlanRequest``); without either, the
+    product's default plan (``uag.recipes.default_plan``, once the pair is loaded)."""
+    if args.policy is None and args.controller is None:
+        if args.lookahead is not None or args.threshold is not None:
+            raise UagError("--lookahead and --threshold go with a --policy that takes them")
+        return PlanRequest(spec=None)
+    spec = parse_policy(args.policy or "learned+lookup")
     if spec.kind == "learned" and spec.path is not None:
         if args.controller is not None:
             raise UagError(f"the controller is given twice: --policy {spec} and --controller")
         args.controller = spec.path
     if args.controller is not None and spec.kind != "learned":
         raise UagError(f"--controller goes with the learned policy, not --policy {spec}")
-    if spec.kind == "learned" and args.controller is None:
-        args.controller = shipped_controller(sampling=args.sample)
     if spec.kind in ("transformers", "oracle"):
         raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
-    learned = None
-    if spec.kind == "learned":
-        # Checked before the models load: a bad controller file fails in a second, not after.
-        learned = load_controller(
-            args.controller, use_cuda=resolve_device(args.device).type == "cuda"
-        )
-    adopted = settle_model_args(args, learned)
-    sampling = sampling_config(args)
-    if sampling is not None and sampling.config.seed is None:  # drawn here to be reported
-        sampling = replace(sampling, config=replace(sampling.config, seed=secrets.randbits(63)))
-    policy = learned or (
-        spec.build(lookahead=args.lookahead, threshold=args.threshold) if spec.is_rule else None
-    )
-    pair = api.load_pair(
-        args.target,
-        args.assistant,
-        device=args.device,
-        dtype=args.dtype,
-        assistant_int8=args.assistant_int8,
-        kernels=args.kernels,
-        draft_vocab=args.draft_vocab,
-    )
-    if adopted:
-        print(adopted, file=sys.stderr)
-    lookup = None
-    if isinstance(learned, LearnedPlan):  # a plan chooses each copy's length itself
-        lookup = copy_lookup()
-    elif spec.lookup:
-        lookup = spec.make_lookup(lookup_lengths(pair))
-    if learned is not None:
-        learned.warn_if_foreign(
-            target=args.target,
-            assistant=args.assistant,
-            assistant_int8=args.assistant_int8,
-            device=pair.target.device.type,
-            decoding="greedy" if sampling is None else "sampling",
-            draft_vocab=pair.draft_vocab,
-        )
-    common = {
-        "max_new_tokens": args.max_new_tokens,
-        "chat": args.chat,
-        "sampling": None if sampling is None else sampling.config,
-    }
-    reference = None
-    if args.compare_target_only:
-        # Warm both arms up (allocator, thread pools, kernels) outside the measured runs.
-        api.generate(pair, prompt, policy=None, **{**common, "max_new_tokens": 4})
-        api.generate(pair, prompt, policy=policy, lookup=lookup, **{**common, "max_new_tokens": 4})
-        reference = api.generate(pair, prompt, policy=None, **common)
+    if spec.kind != "learned":
+        return PlanRequest(spec=spec)
+    path = args.controller or recipes.shipped_controller(sampling=args.sample)
+    use_cuda = resolve_device(args.device).type == "cuda"
+    return PlanRequest(spec=spec, controller=load_controller(path, use_cuda=use_cuda))
 
-    def stream(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
 
-    result = api.generate(
-        pair,
-        prompt,
-        policy=policy,
-        lookup=lookup,
-        on_text=None if args.json else stream,
-        **common,
-    )
-    identical = True
-    if reference is not None:
-        # One more run of each arm, alternating, and the faster of each: a single run of a few
-        # seconds moves by several percent on a shared CPU.
-        ref2 = api.generate(pair, prompt, policy=None, **common)
-        res2 = api.generate(pair, prompt, policy=policy, lookup=lookup, **common)
+def _stream(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+@dataclass
+class GenerateRun:
+    """One ``uag generate`` run's settings: ``once`` runs it, ``compared`` also runs the target
+    alone and checks the tokens."""
+
+    pair: api.Pair
+    prompt: str
+    plan: Plan | None
+    max_new_tokens: int
+    chat: bool
+    sampling: SamplingConfig | None
+
+    def generate(
+        self, plan: Plan | None, *, tokens: int | None = None, stream: Any = None
+    ) -> api.GenerationResult:
+        return api.generate(
+            self.pair,
+            self.prompt,
+            plan=plan,
+            max_new_tokens=tokens or self.max_new_tokens,
+            chat=self.chat,
+            sampling=self.sampling,
+            on_text=stream,
+        )
+
+    def once(self, *, stream: Any) -> api.GenerationResult:
+        return self.generate(self.plan, stream=stream)
+
+    def compared(self, *, stream: Any) -> tuple[api.GenerationResult, api.GenerationResult, bool]:
+        """``(the plan's run, the target alone's, identical)``: each arm warmed up outside the
+        measured runs (allocator, thread pools, kernels), then run twice, alternating, and the
+        faster of each kept (a single run of a few seconds moves by several percent on a shared
+        CPU)."""
+        self.generate(None, tokens=4)
+        self.generate(self.plan, tokens=4)
+        reference = self.generate(None)
+        result = self.generate(self.plan, stream=stream)
+        ref2, res2 = self.generate(None), self.generate(self.plan)
         identical = all(r.token_ids == reference.token_ids for r in (ref2, result, res2))
-        reference = min(reference, ref2, key=lambda r: r.seconds)
-        result = min(result, res2, key=lambda r: r.seconds)
+        return (
+            min(result, res2, key=lambda r: r.seconds),
+            min(reference, ref2, key=lambda r: r.seconds),
+            identical,
+        )
+
+
+def _print_generate(
+    args: argparse.Namespace,
+    result: api.GenerationResult,
+    reference: api.GenerationResult | None,
+    *,
+    identical: bool,
+    sampling: Sampling | None,
+) -> int:
+    """The stats line (or ``--json``'s object); exit 1 when the compared outputs differ."""
     summary = result.summary()
     if sampling is not None:
         summary["sampling"] = sampling.summary()
@@ -593,16 +580,12 @@ def run_generate(args: argparse.Namespace) -> int:
         print()
         print(_stats_line(result, sampling))
         if reference is not None:
-            verdict = (
-                "token-identical" if summary["identical"] else "DIFFERENT (a bug: please report)"
-            )
+            verdict = "token-identical" if identical else "DIFFERENT (a bug: please report)"
             print(
                 f"[target-only] {reference.new_tokens} tokens in {reference.seconds:.2f}s; "
                 f"outputs {verdict}; speed-up {summary['speedup']:.2f}x"
             )
-    if reference is not None and not summary["identical"]:
-        return 1
-    return 0
+    return 0 if reference is None or identical else 1
 
 
 def _add_models_args(p: argparse.ArgumentParser) -> None:
@@ -651,18 +634,23 @@ def run_models(args: argparse.Namespace) -> int:
         return 0
     print(f"cache: {cache_root()}  (set UAG_CACHE to move it)")
     for name, entry in models.EMBEDDED.items():
-        state = (
-            "converted"
-            if models.is_cached(name)
-            else "not converted yet (uag models prepare " + name + ")"
-        )
-        roles = (
-            prepared.prepared_roles(models.converted_dir(name)) if models.is_cached(name) else []
-        )
+        print(_model_line(name, entry))
+    return 0
+
+
+def _model_line(name: str, entry: models.EmbeddedModel) -> str:
+    """One embedded model: its role, its GGUF's size, and how far it is from running."""
+    if models.is_cached(name):
+        state = "converted"
+        roles = prepared.prepared_roles(models.converted_dir(name))
         if roles:
             state += f", prepared as {', '.join(roles)}"
-        print(f"{name:14s} package {entry.package:26s} {state}")
-    return 0
+    elif entry.installed():
+        state = f"installed, not converted yet (uag models prepare {name})"
+    else:
+        state = f"not installed ({entry.missing_hint()})"
+    size = f"{entry.size / 1e9:.2f} GB" if entry.size else "-"
+    return f"{name:20s} {entry.role:9s} {size:>8s}  {state}"
 
 
 def _add_prompt_set_args(p: argparse.ArgumentParser) -> None:
@@ -673,18 +661,20 @@ def _add_prompt_set_args(p: argparse.ArgumentParser) -> None:
         help="humaneval[:train|:test], a set in data/prompts (e.g. mixed, mixed:train), or a "
         "local .jsonl/.json/.csv/.parquet file; join several with +",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--text-column",
-        default=default_of(RunConfig, "text_column"),
+        RunConfig,
         help="column holding the prompt text in local files (default: %(default)s)",
     )
     p.add_argument(
         "--limit", type=_positive_int, default=None, help="use at most this many prompts"
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--max-new-tokens",
+        RunConfig,
         type=_positive_int,
-        default=default_of(RunConfig, "max_new_tokens"),
         help="target tokens per prompt (default: %(default)s)",
     )
     p.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
@@ -693,10 +683,11 @@ def _add_prompt_set_args(p: argparse.ArgumentParser) -> None:
 def _add_collect_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     _add_prompt_set_args(p)
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--max-lookahead",
+        CollectConfig,
         type=_integer("--max-lookahead"),
-        default=default_of(CollectConfig, "max_lookahead"),
         help="tokens drafted every iteration; drafting never stops earlier (default: %(default)s)",
     )
     p.add_argument(
@@ -732,10 +723,11 @@ def _add_collect_args(p: argparse.ArgumentParser) -> None:
         help="collect on-policy: follow this ONNX controller (and adopt its pair and precision "
         "unless given) instead of drafting --max-lookahead tokens every round",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--explore",
+        CollectConfig,
         type=_finite("--explore"),
-        default=default_of(CollectConfig, "explore"),
         help="with --controller: chance per round of drafting the full --max-lookahead anyway, "
         "so every position gets labels on the states the controller meets; rows log "
         "'explored' and 'propensity'; with --plan: chance per round of a random action instead "
@@ -834,6 +826,15 @@ def _hidden(value: str) -> tuple[int, ...]:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
+    """``uag train-controller``'s flags, group by group (``--help`` lists them in this order)."""
+    _add_train_io_args(p)
+    _add_train_fit_args(p)
+    _add_train_lightning_args(p)
+    _add_train_choice_args(p)
+
+
+def _add_train_io_args(p: argparse.ArgumentParser) -> None:
+    """What training reads (collected runs) and writes (the ONNX file, TensorBoard logs)."""
     p.add_argument(
         "--data",
         type=Path,
@@ -842,81 +843,101 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="one or more uag collect output directories (same schema); uag collect --plan "
         "directories train a plan (the round's action) instead of a stop controller",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=default_of(TrainConfig, "out"),
-        help="ONNX file to write (default: %(default)s)",
+    _add_config_flag(
+        p, "--out", TrainConfig, type=Path, help="ONNX file to write (default: %(default)s)"
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--logdir",
+        TrainConfig,
         type=Path,
-        default=default_of(TrainConfig, "logdir"),
         help="TensorBoard log directory (default: %(default)s)",
     )
-    p.add_argument(
+
+
+def _add_train_fit_args(p: argparse.ArgumentParser) -> None:
+    """The model and its fit: size, seed, held-out share, batches and learning rate."""
+    _add_config_flag(
+        p,
         "--max-epochs",
+        TrainConfig,
         type=_positive_int,
-        default=default_of(TrainConfig, "max_epochs"),
         help="training epochs (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--hidden",
+        TrainConfig,
         type=_hidden,
-        default=default_of(TrainConfig, "hidden"),
         help="MLP hidden widths, comma-separated (default: 32,32)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--seed",
+        TrainConfig,
         type=_integer("--seed", low=0, high=2**32 - 1),
-        default=default_of(TrainConfig, "seed"),
         help="seed for the prompt split and training (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--report-fraction",
+        TrainConfig,
         type=_finite("--report-fraction"),
-        default=default_of(TrainConfig, "report_fraction"),
         help="share of the prompts held out from training and from choosing thresholds and "
         "kappa, on which the summary and the ONNX metadata report AUC and simulated speed-ups "
         "(0: none, and those figures are the validation prompts', where the choices were made) "
         "(default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--batch-size",
+        TrainConfig,
         type=_positive_int,
-        default=default_of(TrainConfig, "batch_size"),
         help="rows per training batch (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--lr",
+        TrainConfig,
         type=_finite("--lr"),
-        default=default_of(TrainConfig, "lr"),
         help="AdamW learning rate (default: %(default)s)",
     )
-    p.add_argument(
+
+
+def _add_train_lightning_args(p: argparse.ArgumentParser) -> None:
+    """Where Lightning trains: passed through to its ``Trainer`` as given."""
+    _add_config_flag(
+        p,
         "--accelerator",
-        default=default_of(TrainConfig, "accelerator"),
+        TrainConfig,
         help="Lightning accelerator: auto, cpu, gpu (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--devices",
-        default=default_of(TrainConfig, "devices"),
+        TrainConfig,
         help="Lightning devices, e.g. 1, 4 or auto (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--strategy",
-        default=default_of(TrainConfig, "strategy"),
+        TrainConfig,
         help="Lightning strategy, e.g. ddp for several processes (GPUs, or CPU processes over "
         "gloo with --accelerator cpu --devices N): each takes a share of every batch, so the "
         "controller equals a one-process run's up to float noise; the first process exports "
         "(default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--num-nodes",
+        TrainConfig,
         type=_positive_int,
-        default=default_of(TrainConfig, "num_nodes"),
         help="machines for multi-node training (default: %(default)s)",
     )
+
+
+def _add_train_choice_args(p: argparse.ArgumentParser) -> None:
+    """How the trained controller's choices are tuned, judged and allowed to mix data."""
     p.add_argument(
         "--no-replay",
         dest="replay",
@@ -938,10 +959,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="train on --data runs of different pairs, assistant precision, decoding mode or "
         "latency device (refused by default: their acceptance and latencies differ)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--decision",
+        TrainConfig,
         choices=("cost", "threshold"),
-        default=default_of(TrainConfig, "decision"),
         help="how the controller decides: cost (draft on while the expected accepted tokens are "
         "worth their draft and verify time under the collected latency profile; no threshold "
         "is tuned) or threshold (stop and skip below scores tuned by replay on the validation "
@@ -992,10 +1014,11 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_POLICIES}; with --sample: "
         f"{SAMPLING_POLICIES})",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--repeats",
+        BenchConfig,
         type=_positive_int,
-        default=default_of(BenchConfig, "repeats"),
         help="runs per prompt and policy (default: %(default)s)",
     )
     p.add_argument(
@@ -1013,7 +1036,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     if "learned" in args.policies and args.controller is None:
         # The shipped controller (greedy, or the sampling plan under --sample), beside the
         # package whatever the working directory.
-        shipped = SHIPPED_SAMPLING_CONTROLLER if args.sample else SHIPPED_CONTROLLER
+        shipped = recipes.SHIPPED_SAMPLING_CONTROLLER if args.sample else recipes.SHIPPED_CONTROLLER
         args.controller = shipped if shipped.is_file() else None
     # One pair for every arm: the defaults, not the controller's settings (its arm warns when
     # they differ from what it was trained with).
@@ -1049,22 +1072,25 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 def _add_calibrate_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--prompts",
-        default=default_of(CalibrateConfig, "prompts"),
+        CalibrateConfig,
         help="prompts to replay (the forms uag bench takes; default: %(default)s: training "
         "prompts, so a bench on the test ones stays held-out)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--limit",
+        CalibrateConfig,
         type=_positive_int,
-        default=default_of(CalibrateConfig, "limit"),
         help="at most this many prompts of each set (default: %(default)s)",
     )
-    p.add_argument(
+    _add_config_flag(
+        p,
         "--max-new-tokens",
+        CalibrateConfig,
         type=_positive_int,
-        default=default_of(CalibrateConfig, "max_new_tokens"),
         help="target tokens per recorded run (default: %(default)s)",
     )
 
@@ -1086,8 +1112,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         pair, prompts, max_new_tokens=cfg.max_new_tokens, progress=progress
     )
     bar.close()
-    path = calibration.calibration_path(pair)
-    calibration.save(result, path)
+    path = recipes.calibration_path(pair)
+    recipes.save_calibration(result, path)
     shown = "/".join(map(str, result.lengths))
     built_in = "/".join(map(str, PromptLookup().max_tokens))
     print(

@@ -1,15 +1,14 @@
-"""What a round verifies, as a choice made per round: a plain step, a copy, or an assistant draft.
+"""What a round verifies: a plain step, a copy from a source, or an assistant draft.
 
-Why: the fixed rule (``LookupFirst``) copies whenever prompt lookup matches, with a length from
-a table, and lets the stop policy decide only how far the assistant drafts. A plan that chooses
-*what* to verify each round needs the choices named and executable:
+A ``Plan`` (``uag.decoding.plan``) answers each round with one of these:
 
 * ``Step()``: no candidates, the target's own next token;
-* ``Copy(length=L)``: the first ``L`` tokens of prompt lookup's continuation (none when the last
-  tokens did not occur before: then a plain step);
-* ``Draft(lookahead=k)``: the assistant's greedy draft of up to ``k`` tokens, no early stop
-  (it ends sooner only where the assistant drafts its EOS, or at the room left), bridged into
-  target ids.
+* ``Copy(length=L)``: the first ``L`` tokens of a copy source's continuation (prompt lookup's,
+  ``source="lookup"``; a round whose last tokens did not occur before copies nothing: a plain
+  step);
+* ``Draft(lookahead=k)``: the assistant drafts up to ``k`` tokens, bridged into target ids; the
+  plan's own stop rule (``Plan.budget`` / ``Plan.stop``) may end it sooner. ``lookahead=None``:
+  as far as that rule says (the hand-written stop policies decide the length themselves).
 
 Not here: a copy extended by assistant drafts. The assistant drafter syncs to the target's
 accepted text and bridges relative to the target's ids; drafting after a copy needs both to
@@ -17,24 +16,20 @@ take the copied, not yet verified, tokens as given (a speculative prefix through
 ``candidates``), which today's drafters do not have.
 
 An ``ActionSet`` names each action with a stable string (``step``, ``copy:3``, ``draft:4``)
-that a controller's metadata carries. An ``ActionChoice`` executes one action per round with
-today's drafters: it is both the loop's ``DrafterChoice`` and the assistant's stop policy (its
-budget is the round's lookahead), and ``speculate`` takes it as the ``policy`` (it makes the
-choice: ``choice(assistant=..., lookup=...)``). Pass ``lookup=copy_lookup()``, so a copy's
-length is the action's and not lookup's table.
+that a controller's metadata carries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
-from uag.decoding.drafters import AssistantDrafter, LookupDrafter
 from uag.decoding.lookup import PromptLookup
-from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
-from uag.decoding.round import MAX_CANDIDATES, Drafter, Session
+from uag.decoding.round import MAX_CANDIDATES
 from uag.errors import UagError
+
+LOOKUP = "lookup"
+"""The copy source every run has: prompt lookup over the prompt and the output so far."""
 
 
 @dataclass(frozen=True)
@@ -48,30 +43,34 @@ class Step:
 
 @dataclass(frozen=True)
 class Copy:
-    """Verify the first ``length`` tokens of prompt lookup's continuation."""
+    """Verify the first ``length`` tokens of ``source``'s continuation."""
 
     length: int
+    source: str = LOOKUP
 
     def __post_init__(self) -> None:
         _in_range("copy length", self.length)
 
     @property
     def name(self) -> str:
-        return f"copy:{self.length}"
+        at = "" if self.source == LOOKUP else f"{self.source}:"
+        return f"copy:{at}{self.length}"
 
 
 @dataclass(frozen=True)
 class Draft:
-    """Verify the assistant's greedy draft of up to ``lookahead`` tokens (no early stop)."""
+    """Verify the assistant's draft of up to ``lookahead`` tokens (None: as many as the plan's
+    stop rule allows); the plan's ``stop`` may end it after any drafted token."""
 
-    lookahead: int
+    lookahead: int | None = None
 
     def __post_init__(self) -> None:
-        _in_range("lookahead", self.lookahead)
+        if self.lookahead is not None and self.lookahead < 1:
+            raise UagError(f"lookahead must be at least 1, got {self.lookahead}")
 
     @property
     def name(self) -> str:
-        return f"draft:{self.lookahead}"
+        return "draft" if self.lookahead is None else f"draft:{self.lookahead}"
 
 
 Action = Step | Copy | Draft
@@ -85,11 +84,16 @@ def _in_range(what: str, value: int) -> None:
 def parse_action(name: str) -> Action:
     """The action named ``name`` (``Action.name``'s inverse)."""
     kind, _, arg = name.partition(":")
+    source, _, length = arg.rpartition(":")
     if kind == "step" and not arg:
         return Step()
-    if kind in ("copy", "draft") and arg.isdigit():
-        return Copy(length=int(arg)) if kind == "copy" else Draft(lookahead=int(arg))
-    raise UagError(f"unknown action {name!r}: use step, copy:L or draft:K")
+    if kind == "draft" and not arg:
+        return Draft()
+    if kind == "draft" and arg.isdigit() and int(arg) <= MAX_CANDIDATES:
+        return Draft(lookahead=int(arg))
+    if kind == "copy" and length.isdigit():
+        return Copy(length=int(length), source=source or LOOKUP)
+    raise UagError(f"unknown action {name!r}: use step, copy:L, copy:SOURCE:L, draft or draft:K")
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ class ActionSet:
     @property
     def max_lookahead(self) -> int:
         """The longest draft (0: no drafts)."""
-        return max((a.lookahead for a in self.actions if isinstance(a, Draft)), default=0)
+        return max((a.lookahead or 0 for a in self.actions if isinstance(a, Draft)), default=0)
 
     def index(self, action: Action) -> int:
         return self.actions.index(action)
@@ -142,107 +146,3 @@ def copy_lookup(*, max_ngram: int = 4, min_ngram: int = 1) -> PromptLookup:
     """Prompt lookup whose continuation is as long as a verify allows, whatever the match's
     length: the copy's length is then the action's alone."""
     return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram, max_tokens=(MAX_CANDIDATES,))
-
-
-class ActionChoice:
-    """Executes ``next_action(session)`` each round with today's drafters.
-
-    Both sides of the loop's contract: the ``DrafterChoice`` (``choose`` returns the drafter the
-    round's action needs, the copy cut to its length) and the assistant's ``StopPolicy`` (its
-    budget is the round's lookahead; it never stops early). Give it to ``speculate`` as
-    ``policy``: the loop then asks it for the choice (``choice``). ``taken`` lists the actions
-    of the rounds so far; ``watch``, when set, is called at each round's start, before the
-    action is chosen, with the drafters as they are then (counterfactual labelling reads them).
-    """
-
-    name = "actions"
-    needs_features: ClassVar[bool] = False
-    timed_as: ClassVar[str] = "policy"
-    """The loop times the choice as the policy's decision (``uag.decoding.round.choose``)."""
-
-    def __init__(self) -> None:
-        self.assistant: AssistantDrafter | None = None
-        self.lookup: LookupDrafter | None = None
-        self.taken: list[Action] = []
-        self.watch: Callable[[Session], None] | None = None
-        self._lookahead = 0
-
-    def next_action(self, session: Session) -> Action:
-        raise NotImplementedError
-
-    # --- the choice -----------------------------------------------------------------------
-
-    def choice(
-        self, *, assistant: AssistantDrafter | None, lookup: LookupDrafter | None
-    ) -> ActionChoice:
-        """Bind the drafters ``speculate`` built (``uag.decoding.speculative``)."""
-        if assistant is not None and assistant.policy is not self:
-            raise ValueError("the assistant drafter must run under this choice as its policy")
-        if lookup is not None and min(lookup.lookup.max_tokens) < MAX_CANDIDATES:
-            raise ValueError("a copy's length is the action's: use lookup=copy_lookup()")
-        self.assistant, self.lookup = assistant, lookup
-        self.taken = []
-        return self
-
-    @property
-    def drafters(self) -> tuple[Drafter, ...]:
-        return tuple(d for d in (self.lookup, self.assistant) if d is not None)
-
-    def choose(self, session: Session) -> Drafter | None:
-        if self.watch is not None:
-            self.watch(session)
-        action = self.next_action(session)
-        self.taken.append(action)
-        return self.drafter_for(action)
-
-    def drafter_for(self, action: Action) -> Drafter | None:
-        """The drafter that proposes ``action``'s candidates this round (None: a plain step)."""
-        if isinstance(action, Step):
-            return None
-        if isinstance(action, Copy):
-            if self.lookup is None:
-                raise ValueError(f"{action.name} needs prompt lookup (lookup=copy_lookup())")
-            self.lookup.cap = action.length
-            return self.lookup
-        if self.assistant is None:
-            raise ValueError(f"{action.name} needs the assistant")
-        self._lookahead = action.lookahead
-        return self.assistant
-
-    # --- the stop policy ------------------------------------------------------------------
-
-    def reset(self) -> None:
-        self._lookahead = 0
-
-    def budget(self, ctx: DraftContext) -> int:
-        return self._lookahead
-
-    def stop(self, step: DraftStep) -> bool:
-        return False
-
-    def update(self, outcome: IterationOutcome) -> None:
-        pass
-
-
-class ScriptedChoice(ActionChoice):
-    """Round ``i`` takes ``actions[i]``; rounds past the script take ``then`` (tests, exploring,
-    and forcing an action at a chosen round)."""
-
-    def __init__(self, actions: Sequence[Action], *, then: Action = Step()) -> None:
-        super().__init__()
-        self.actions, self.then = tuple(actions), then
-
-    def next_action(self, session: Session) -> Action:
-        i = len(session.records)
-        return self.actions[i] if i < len(self.actions) else self.then
-
-
-class PlannedChoice(ActionChoice):
-    """Each round takes ``plan(session)``: a rule, or a learned controller's choice."""
-
-    def __init__(self, plan: Callable[[Session], Action]) -> None:
-        super().__init__()
-        self.plan = plan
-
-    def next_action(self, session: Session) -> Action:
-        return self.plan(session)

@@ -7,7 +7,8 @@
   ``DraftDistribution``: ``GreedyDraft`` (the argmax; the text is re-encoded for the target) or
   ``SampledDraft`` (a sample from its distribution restricted to tokens that are exactly one
   target token, so ``q`` lives on the target's vocabulary).
-* ``LookupFirst`` is the fixed choice: copy when lookup matches, else the assistant.
+
+Which of them proposes a round is the plan's choice (``uag.decoding.plan``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from uag.decoding.assistant_text import AssistantText
 from uag.decoding.bridge import Bridge, ends_on_char_boundary
 from uag.decoding.features import repeat_length
 from uag.decoding.lookup import PromptLookup
-from uag.decoding.policy import DraftContext, DraftStep, StopPolicy
-from uag.decoding.round import MAX_CANDIDATES, Drafter, Proposal, Session
+from uag.decoding.policy import DraftContext, DraftRule, DraftStep
+from uag.decoding.round import MAX_CANDIDATES, Proposal, Session
 from uag.decoding.sampling import (
     Intersection,
     SamplingConfig,
@@ -60,6 +61,9 @@ class LookupDrafter:
     ``cap``: copy at most this many of the match's tokens (None: all of them). Set per round by
     a choice that decides the copy's length itself (``uag.decoding.actions``); a match is the
     same list cut shorter, so ``match`` stays the round's whole continuation."""
+
+    source = "lookup"
+    """The name a ``Copy`` action gives this source (``uag.decoding.actions.LOOKUP``)."""
 
     def __init__(self, lookup: PromptLookup, *, cap: int | None = None) -> None:
         self.lookup = lookup
@@ -245,7 +249,7 @@ class AssistantDrafter:
         *,
         assistant: CachedLM,
         prompt_ids: Sequence[int],
-        policy: StopPolicy,
+        policy: DraftRule,
         draw: DraftDistribution,
     ) -> None:
         self.assistant, self.prompt_ids, self.policy, self.draw = (
@@ -377,31 +381,3 @@ class AssistantDrafter:
             with clock("policy"):
                 self.policy.update(outcome)
         return accepted
-
-
-@dataclass
-class LookupFirst:
-    """The fixed choice: prompt lookup's copy whenever the last target tokens occurred before,
-    else the assistant (the policy is not asked in a copied round; the assistant catches up
-    the next time it drafts). Either may be absent."""
-
-    assistant: AssistantDrafter | None = None
-    lookup: LookupDrafter | None = None
-
-    @property
-    def drafters(self) -> tuple[Drafter, ...]:
-        return tuple(d for d in (self.lookup, self.assistant) if d is not None)
-
-    def choose(self, session: Session) -> Drafter | None:
-        if self.lookup is not None and self.lookup.match(session):
-            return self.lookup
-        return self.assistant
-
-
-class NoDraft:
-    """No drafter: every round is a plain target step (the round's own target-only)."""
-
-    drafters: tuple[Drafter, ...] = ()
-
-    def choose(self, session: Session) -> Drafter | None:
-        return None

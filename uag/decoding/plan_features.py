@@ -155,7 +155,7 @@ def occurrence_features(ids: Sequence[int], match: Match) -> tuple[float, float,
 
 def temperature_of(session: Session) -> float:
     """The sampling temperature the session verifies at (0.0: greedy)."""
-    sampling = getattr(session.verifier, "sampling", None)
+    sampling = session.verifier.sampling
     return 0.0 if sampling is None else float(sampling.temperature)
 
 

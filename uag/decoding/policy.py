@@ -95,13 +95,9 @@ class IterationOutcome:
     """Drafted assistant tokens whose text the target accepted."""
 
 
-@runtime_checkable
-class StopPolicy(Protocol):
-    """Decides how far the assistant drafts. Instances hold per-sequence state: ``reset()`` it."""
-
-    name: str
-    needs_features: ClassVar[bool]
-    """True when ``stop`` reads target statistics or draft re-encoding counts (they cost a little)."""
+class DraftRule(Protocol):
+    """What the assistant drafter asks while it drafts: how far (``budget``), whether to stop
+    after each token, and (``update``) how the draft fared."""
 
     def reset(self) -> None: ...
 
@@ -110,3 +106,13 @@ class StopPolicy(Protocol):
     def stop(self, step: DraftStep) -> bool: ...
 
     def update(self, outcome: IterationOutcome) -> None: ...
+
+
+@runtime_checkable
+class StopPolicy(DraftRule, Protocol):
+    """Decides how far the assistant drafts: a plan's stop rule (``controllers.plans.RulePlan``).
+    Instances hold per-sequence state: ``reset()`` it."""
+
+    name: str
+    needs_features: ClassVar[bool]
+    """True when ``stop`` reads target statistics or draft re-encoding counts (they cost a little)."""

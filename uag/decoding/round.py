@@ -2,8 +2,8 @@
 
 One round::
 
-    choose   which drafter proposes this round (``DrafterChoice``: prompt lookup, the
-             assistant, or none: a plain target step)
+    choose   the plan's action for this round (``uag.decoding.plan``): a plain target step,
+             a copy from prompt lookup, or an assistant draft
     propose  the drafter's target-id candidates (the assistant drafts, then its text is bridged
              into target ids; lookup copies them)
     verify   one target forward over the pending token and the candidates; the ``Verifier``
@@ -35,7 +35,7 @@ import torch
 
 from uag.decoding.bridge import Bridge
 from uag.decoding.policy import DraftContext, DraftStep, IterationOutcome
-from uag.decoding.sampling import TargetQ
+from uag.decoding.sampling import SamplingConfig, TargetQ
 from uag.decoding.stopwatch import Stopwatch
 from uag.kernels.choice import ROWWISE_MAX_ROWS
 from uag.runtime.runner import CachedLM
@@ -86,6 +86,9 @@ class IterationRecord:
     healed: int = 0
     """Bytes of the target's text the assistant gave back at the round's sync for its first
     draft to spell again (token healing, ``AssistantText.sync``); 0 when not healed."""
+    action: str = ""
+    """The plan's action for the round, by name (``uag.decoding.actions``: ``step``,
+    ``copy:3``, ``draft:4``, ``draft``)."""
 
 
 @dataclass
@@ -239,16 +242,22 @@ class Drafter(Protocol):
 
 
 class DrafterChoice(Protocol):
-    """Decides which drafter (or none) proposes each round."""
+    """Decides which drafter (or none) proposes each round (``uag.decoding.plan.PlanRunner``:
+    the plan's action and the drafter that runs it)."""
 
     @property
     def drafters(self) -> tuple[Drafter, ...]: ...
 
-    def choose(self, session: Session) -> Drafter | None: ...
+    def choose(self, session: Session) -> tuple[str, Drafter | None]:
+        """``(the round's action name, its drafter)``; None: a plain target step."""
 
 
 class Verifier(Protocol):
     """Decides which candidates the target keeps, from one forward's rows."""
+
+    @property
+    def sampling(self) -> SamplingConfig | None:
+        """What it samples with (None: greedy)."""
 
     def reset(self) -> None: ...
 
@@ -288,7 +297,7 @@ def decode(*, session: Session, choice: DrafterChoice, on_tokens: OnTokens | Non
     reason: StopReason = "max_new_tokens"
     while (room := session.room) > 0:
         clock = Stopwatch()
-        drafter = choose(session, choice, clock=clock)
+        action, drafter = choose(session, choice, clock=clock)
         proposal = propose(session, drafter, clock=clock)
         base, verdict = verify(session, proposal, clock=clock)
         emitted, in_cache, hit_eos = accept(session, verdict, base=base, room=room, clock=clock)
@@ -302,6 +311,7 @@ def decode(*, session: Session, choice: DrafterChoice, on_tokens: OnTokens | Non
             emitted=emitted,
             in_cache=in_cache,
             accepted_drafts=accepted,
+            action=action,
             clock=clock,
         )
         if hit_eos:
@@ -326,10 +336,12 @@ def start(session: Session, choice: DrafterChoice) -> None:
         drafter.reset(session)
 
 
-def choose(session: Session, choice: DrafterChoice, *, clock: Stopwatch) -> Drafter | None:
-    """The round's drafter; a rule that looks up a match counts that as bridge time, a choice
-    that decides by a controller (``timed_as`` "policy": a plan) as the policy's."""
-    with clock(getattr(choice, "timed_as", "bridge")):
+def choose(
+    session: Session, choice: DrafterChoice, *, clock: Stopwatch
+) -> tuple[str, Drafter | None]:
+    """The round's action and drafter, timed as the policy's decision (a rule's lookup match,
+    computed once a round, is part of what it decides on)."""
+    with clock("policy"):
         return choice.choose(session)
 
 
@@ -389,6 +401,7 @@ def record(
     emitted: list[int],
     in_cache: int,
     accepted_drafts: int,
+    action: str,
     clock: Stopwatch,
 ) -> None:
     """The round's counts and time split join the session's records."""
@@ -413,6 +426,7 @@ def record(
             lookup=proposal.copied,
             lag=proposal.lag,
             healed=proposal.healed,
+            action=action,
         )
     )
 

@@ -1,9 +1,9 @@
 """Speculative decoding's entry point and the target-alone reference, greedy or sampled.
 
 ``speculate`` builds one round's objects (``uag.decoding.round``): the verifier and the
-assistant's draft distribution, greedy or sampled (the only difference between the two), and the
-drafter choice: the fixed one (prompt lookup first, else the assistant), or the policy's own
-when it makes one (``ChoosingPolicy``: the bandit arm, ``controllers.bandit``), and runs it.
+assistant's draft distribution, greedy or sampled (the only difference between the two), the
+sources a plan may draw candidates from (prompt lookup when the plan copies, the assistant),
+and runs the rounds with the plan choosing each one's action (``uag.decoding.plan``).
 Greedy output is token-for-token what ``target_alone`` returns; sampled output is distributed
 as its.
 """
@@ -11,7 +11,6 @@ as its.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -21,13 +20,10 @@ from uag.decoding.drafters import (
     DraftDistribution,
     GreedyDraft,
     LookupDrafter,
-    LookupFirst,
     SampledDraft,
 )
-from uag.decoding.lookup import PromptLookup
-from uag.decoding.policy import StopPolicy
+from uag.decoding.plan import Plan, PlanRunner, Sources
 from uag.decoding.round import (
-    DrafterChoice,
     LoopOutput,
     OnTokens,
     Session,
@@ -38,16 +34,6 @@ from uag.decoding.round import (
 from uag.decoding.sampling import Intersection, SamplingConfig, categorical, processed_probs
 from uag.decoding.verifiers import GreedyVerifier, SamplingVerifier
 from uag.runtime.runner import CachedLM
-
-
-@runtime_checkable
-class ChoosingPolicy(Protocol):
-    """A stop policy that also chooses each round's drafter (``controllers.bandit``): given the
-    drafters built here, it returns the choice the loop asks, instead of ``LookupFirst``."""
-
-    def choice(
-        self, *, assistant: AssistantDrafter | None, lookup: LookupDrafter | None
-    ) -> DrafterChoice: ...
 
 
 def target_alone(
@@ -95,13 +81,12 @@ def speculate(
     assistant_eos: frozenset[int],
     prompt_target_ids: Sequence[int],
     prompt_assistant_ids: Sequence[int],
-    policy: StopPolicy,
+    plan: Plan,
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     intersection: Intersection | None = None,
     on_tokens: OnTokens | None = None,
     keep_steps: bool = False,
-    lookup: PromptLookup | None = None,
 ) -> LoopOutput:
     """UAG: the target's own output (greedy), or its own distribution (``sampling``), in fewer
     target passes.
@@ -110,9 +95,9 @@ def speculate(
     and the target keeps the prefix equal to its own argmax. Sampling (TLI, Timor et al., ICML
     2025; needs ``intersection``): the assistant drafts from its distribution restricted to
     tokens that are exactly one target token, and speculative sampling accepts or resamples.
-    With ``lookup``, a round whose last target tokens occurred before verifies the copied
-    continuation instead of drafting (the policy is not asked; the assistant catches up later).
-    ``keep_steps`` (collection) keeps each round's draft steps (and, sampling, their soft
+    ``plan`` chooses each round's action: a step, a copy from its prompt lookup
+    (``plan.lookup``), or an assistant draft (the assistant catches up on copied text the next
+    time it drafts). ``keep_steps`` (collection) keeps each round's draft steps (and, sampling, their soft
     labels).
     """
     verifier: Verifier
@@ -136,15 +121,15 @@ def speculate(
         verifier=verifier,
         keep_steps=keep_steps,
         # Target statistics and per-step re-encodings cost a little: only when someone reads them.
-        rich=keep_steps or policy.needs_features,
+        rich=keep_steps or plan.needs_features,
     )
-    drafter = AssistantDrafter(
-        assistant=assistant, prompt_ids=prompt_assistant_ids, policy=policy, draw=draw
+    runner = PlanRunner(plan)
+    runner.begin(
+        Sources(
+            lookup=LookupDrafter(plan.lookup) if plan.lookup is not None else None,
+            assistant=AssistantDrafter(
+                assistant=assistant, prompt_ids=prompt_assistant_ids, policy=runner, draw=draw
+            ),
+        )
     )
-    copier = LookupDrafter(lookup) if lookup is not None else None
-    choice: DrafterChoice = (
-        policy.choice(assistant=drafter, lookup=copier)
-        if isinstance(policy, ChoosingPolicy)
-        else LookupFirst(assistant=drafter, lookup=copier)
-    )
-    return decode(session=session, choice=choice, on_tokens=on_tokens)
+    return decode(session=session, choice=runner, on_tokens=on_tokens)

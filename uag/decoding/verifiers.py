@@ -46,6 +46,9 @@ class GreedyVerifier:
     the round's first position (see docs/lossless.md for what holds).
     """
 
+    sampling: SamplingConfig | None = None
+    """Greedy: nothing is sampled."""
+
     def __init__(self) -> None:
         self.reset()
 

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from functools import partial
 from importlib import metadata
@@ -45,7 +45,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from controllers.learned_plan import LearnedPlan, load_controller
+from controllers.learned_plan import load_controller
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from controllers.spec import parse_policy, parse_policy_list
 from training import replay
@@ -53,14 +54,13 @@ from training.data import from_columns
 from training.replay import Prefill
 from uag import api
 from uag.api import encode_prompt, render_prompt
-from uag.decoding.actions import copy_lookup
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import Plan
 from uag.decoding.round import MAX_CANDIDATES
 from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
 from uag.harness import dryrun
-from uag.harness.calibration import lookup_lengths
 from uag.harness.collect import rows_for_prompt
 from uag.harness.distribution import (
     ExcessCheck,
@@ -73,7 +73,8 @@ from uag.harness.distribution import (
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile, pair_sampler
 from uag.harness.plan_collect import OraclePlan
-from uag.harness.prompts import load_prompts
+from uag.harness.prompts import Prompt, load_prompts
+from uag.recipes import lookup_lengths
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
 SAMPLING_POLICIES = "target-only,static-1,static-2,lookup,static-2+lookup,transformers,learned"
@@ -95,13 +96,12 @@ class BenchConfig(RunConfig):
     seed + r for every arm."""
 
 
-@dataclass
-class ArmRun:
-    """One arm on one prompt."""
+@dataclass(kw_only=True)
+class LoopCounts:
+    """What uag's loop counts in a run (0 for an arm that is not uag's): one run's
+    (``ArmRun``) and, summed field by field, all of an arm's runs' (``PolicyResult.add``);
+    declared once so that the sum cannot miss a count."""
 
-    ids: list[int]
-    seconds: float
-    target_forwards: int
     drafted: int = 0
     accepted: int = 0
     policy_seconds: float = 0.0
@@ -113,18 +113,21 @@ class ArmRun:
 
 
 @dataclass
-class PolicyResult:
+class ArmRun(LoopCounts):
+    """One arm on one prompt."""
+
+    ids: list[int]
+    seconds: float
+    target_forwards: int
+
+
+@dataclass
+class PolicyResult(LoopCounts):
     name: str
     simulated: bool = False
     seconds: float = 0.0
     tokens: int = 0
     target_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    policy_seconds: float = 0.0
-    decisions: int = 0
-    copied: int = 0
-    copied_accepted: int = 0
     runs: int = 0
     identical_runs: int = 0
     speedup_vs_target: float = 0.0
@@ -160,6 +163,20 @@ class PolicyResult:
     @property
     def identical(self) -> bool:
         return self.identical_runs == self.runs
+
+    def add(self, run: ArmRun, *, identical: bool) -> None:
+        """One more timed run of this arm, on the prompt whose totals are the last of
+        ``per_prompt_seconds`` and ``per_prompt_tokens``; ``identical``: its tokens are
+        target-only's of the same round."""
+        self.per_prompt_seconds[-1] += run.seconds
+        self.per_prompt_tokens[-1] += len(run.ids)
+        self.seconds += run.seconds
+        self.tokens += len(run.ids)
+        self.target_forwards += run.target_forwards
+        for count in fields(LoopCounts):
+            setattr(self, count.name, getattr(self, count.name) + getattr(run, count.name))
+        self.runs += 1
+        self.identical_runs += int(identical)
 
     @property
     def sound(self) -> bool:
@@ -415,18 +432,13 @@ def parse_policies(text: str) -> list[str]:
     return [str(s) for s in parse_policy_list(text)]
 
 
-@dataclass(frozen=True)
-class ArmPolicy:
-    """How a uag speculative arm drafts: its policy factory, and its prompt lookup's (the
-    spec's: None without ``+lookup``). Exact replay runs the same."""
-
-    make: Callable[[], Any]
-    make_lookup: Callable[[], PromptLookup | None]
+ArmPlan = Callable[[], Plan]
+"""A uag speculative arm's plan factory (a fresh plan per run; exact replay runs the same)."""
 
 
 def _uag_arm(
     pair: Any,
-    arm_policy: ArmPolicy | None,
+    make_plan: ArmPlan | None,
     *,
     chat: bool,
     sampling: SamplingConfig | None = None,
@@ -435,8 +447,7 @@ def _uag_arm(
         res = api.generate(
             pair,
             prompt,
-            policy=arm_policy.make() if arm_policy else None,
-            lookup=arm_policy.make_lookup() if arm_policy else None,
+            plan=make_plan() if make_plan else None,
             max_new_tokens=n,
             chat=chat,
             sampling=None if sampling is None else replace(sampling, seed=seed),
@@ -551,12 +562,12 @@ def build_arms(
     cfg: BenchConfig,
     *,
     prompt_ids: list[str] | None = None,
-    policies: dict[str, ArmPolicy] | None = None,
+    policies: dict[str, ArmPlan] | None = None,
     lookup_lengths: tuple[int, ...] | None = None,
 ) -> dict[str, Arm]:
     """The arms ``names`` on ``pair``; a learned arm warns when its controller was trained on
     any of ``prompt_ids`` (the prompts about to be benched). ``policies`` receives each uag
-    speculative arm's policy factory (what exact replay runs; not the bandit's). ``+lookup``
+    speculative arm's plan factory (what exact replay runs; not the bandit's). ``+lookup``
     arms (the hybrid ``+lookup-N`` and ``bandit`` too) copy ``lookup_lengths`` (``uag
     calibrate``; None: the built-in lengths)."""
     arms: dict[str, Arm] = {}
@@ -564,17 +575,16 @@ def build_arms(
         spec = parse_policy(name)
         if spec.kind == "oracle":
             continue
-        factory: Callable[[], Any] | None
-        plan = False
+        factory: ArmPlan | None
+        lookup = partial(spec.make_lookup, lookup_lengths)
         if spec.kind == "target-only":
             factory = None
         elif spec.is_rule:
-            factory = spec.build
-        elif spec.kind == "learned" and spec.path is None:
-            factory, plan = _learned_factory(pair, cfg, prompt_ids or [])
-        elif spec.kind == "learned":  # another controller beside --controller's, for A/B
-            factory, plan = _learned_factory(
-                pair, replace(cfg, controller=spec.path), prompt_ids or []
+            factory = partial(spec.plan, lengths=lookup_lengths)
+        elif spec.kind == "learned":  # spec.path: another controller beside --controller's
+            controller = cfg.controller if spec.path is None else spec.path
+            factory = _learned_factory(
+                pair, replace(cfg, controller=controller), lookup, prompt_ids
             )
         elif spec.kind == "transformers":
             # Transformers' own path runs on unmodified models: uag's copies have packed kernels.
@@ -589,38 +599,29 @@ def build_arms(
             continue
         else:  # parse_policies rejects anything else
             raise UagError(f"unknown policy {name!r}")
-        arm_policy = (
-            None
-            if factory is None
-            # A plan chooses each copy's length itself: its lookup copies as far as a verify
-            # allows (with or without +lookup in the arm's name).
-            else ArmPolicy(
-                make=factory,
-                make_lookup=copy_lookup if plan else partial(spec.make_lookup, lookup_lengths),
-            )
-        )
-        arms[name] = _uag_arm(pair, arm_policy, chat=cfg.chat, sampling=cfg.sampling)
+        arms[name] = _uag_arm(pair, factory, chat=cfg.chat, sampling=cfg.sampling)
         # The bandit picks its arms by each round's wall time, which exact replay does not
         # reproduce (its target forward is a lookup): it would predict other rounds than it runs.
-        if arm_policy is not None and policies is not None and spec.kind != "bandit":
-            policies[name] = arm_policy
+        if factory is not None and policies is not None and spec.kind != "bandit":
+            policies[name] = factory
     return arms
 
 
 def _learned_factory(
-    pair: Any, cfg: BenchConfig, prompt_ids: list[str]
-) -> tuple[Callable[[], Any], bool]:
-    """The learned arm's policy factory, and whether the file is a plan (it then chooses every
-    round's action: ``controllers.learned_plan``) rather than a stop controller."""
+    pair: Any,
+    cfg: BenchConfig,
+    lookup: Callable[[], PromptLookup | None],
+    prompt_ids: list[str] | None,
+) -> ArmPlan:
+    """The learned arm's plan factory: a plan file chooses every round's action and copies as
+    far as a verify allows (``controllers.learned_plan``), a stop controller drafts after the
+    arm's ``lookup`` (``+lookup``)."""
     if cfg.controller is None:
         raise UagError("policy 'learned' needs --controller PATH.onnx")
     learned = load_controller(cfg.controller, use_cuda=pair.target.device.type == "cuda")
     learned.warn_if_foreign_to(cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab)
-    learned.warn_if_trained_on(prompt_ids)
-    if isinstance(learned, LearnedPlan):
-        path, session = learned.path, learned.session  # one ONNX session, a fresh plan per run
-        return (lambda: LearnedPlan(path, session=session)), True
-    return (lambda: learned), False
+    learned.warn_if_trained_on(prompt_ids or [])
+    return lambda: learned.as_plan(lookup())
 
 
 def _replay_pass(
@@ -638,7 +639,7 @@ def _replay_pass(
         out = api.generate(
             pair,
             p.text,
-            policy=StaticPolicy(k=ORACLE_LOOKAHEAD),
+            plan=RulePlan(StaticPolicy(k=ORACLE_LOOKAHEAD)),
             max_new_tokens=cfg.max_new_tokens,
             chat=cfg.chat,
             keep_steps=True,
@@ -675,7 +676,7 @@ def _exact_predictions(
     pair: Any,
     prompts: list[Any],
     cfg: BenchConfig,
-    policies: dict[str, ArmPolicy],
+    policies: dict[str, ArmPlan],
     profile: Any,
 ) -> dict[str, tuple[float, int, float]]:
     """Exact replay per uag arm (``uag.harness.dryrun``): one recorded target-alone run per prompt,
@@ -689,15 +690,10 @@ def _exact_predictions(
         trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
         traces.append(trace)
         encoded.append(assistant_ids)
-        for name, arm in policies.items():
+        for name, make_plan in policies.items():
             runs[name].append(
                 dryrun.replay(
-                    pair,
-                    trace,
-                    arm.make(),
-                    prompt_assistant_ids=assistant_ids,
-                    profile=profile,
-                    lookup=arm.make_lookup(),
+                    pair, trace, make_plan(), prompt_assistant_ids=assistant_ids, profile=profile
                 )
             )
     out = {
@@ -747,7 +743,6 @@ def _plan_oracle(
                 ),
                 prompt_assistant_ids=ids,
                 profile=profile,
-                lookup=copy_lookup(),
             )
             for trace, ids in zip(traces, assistant_ids, strict=True)
         ]
@@ -762,21 +757,68 @@ def _plan_oracle(
 
 
 def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> BenchReport:
-    """Run the benchmark; ``extra_arms`` lets tests add an arm (e.g. a deliberately broken one)."""
+    """Run the benchmark; ``extra_arms`` lets tests add an arm (e.g. a deliberately broken one).
+
+    In phases: the seed settled, the arms set up and warmed, every arm timed round by round,
+    each compared with target-only, then (with the oracle arm) replay's predictions."""
     if cfg.repeats < 1:
         raise UagError(f"--repeats must be at least 1, got {cfg.repeats}")
     names = parse_policies(cfg.policies)
+    cfg = _seeded(cfg, names=names)
+    bench = _set_up(cfg, names=names, extra_arms=extra_arms)
+    results = {name: PolicyResult(name) for name in bench.arms}
+    for arm in bench.arms.values():  # warm-up: kernels, allocator, thread pools; not timed
+        arm(bench.prompts[0].text, 4, _first_seed(cfg))
+    # Replay's prices are sampled across the timed runs, a slice after every prompt, as the
+    # arms are: one measurement at one moment misprices a run these CPUs drift through.
+    sampler = pair_sampler(bench.pair, max_candidates=MAX_CANDIDATES) if "oracle" in names else None
+    _time_arms(bench, cfg=cfg, results=results, sampler=sampler)
+    _compare_with_target(results, sampled=cfg.sampling is not None)
+    ordered = [results[n] for n in bench.arms]
+    profile = None
+    if sampler is not None:  # one long-lookahead pass: the oracle, and what replay predicts
+        profile = _replay_arms(bench, cfg=cfg, ordered=ordered, sampler=sampler)
+    return _report(bench, cfg=cfg, ordered=ordered, profile=profile)
+
+
+@dataclass
+class _Bench:
+    """What every timed round runs on, set up once before any is timed."""
+
+    prompts: list[Prompt]
+    pair: Any
+    arms: dict[str, Arm]
+    """Every arm by name, in the order of the first round (later rounds rotate it)."""
+    policies: dict[str, ArmPlan]
+    """Each uag speculative arm's plan factory: what exact replay runs for its prediction."""
+    lengths: tuple[int, ...] | None
+    """The copy lengths ``+lookup`` arms use (``uag calibrate``'s; None: the built-in ones)."""
+
+
+def _seeded(cfg: BenchConfig, *, names: list[str]) -> BenchConfig:
+    """``cfg`` with round 0's seed drawn now when sampling without one, so the report records
+    the seed the run used (greedy: ``cfg`` as it is). Refuses the oracle under sampling: it
+    replays greedy runs."""
     sampling = cfg.sampling
     if sampling is not None and "oracle" in names:
         raise UagError("policy 'oracle' is a replay of greedy runs: leave it out with --sample")
-    seed0 = None
-    if sampling is not None:
-        seed0 = sampling.seed if sampling.seed is not None else secrets.randbits(31)
-        cfg = replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
+    if sampling is None:
+        return cfg
+    seed0 = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+    return replace(cfg, sampling=replace(sampling, seed=seed0))  # recorded in the report
+
+
+def _first_seed(cfg: BenchConfig) -> int | None:
+    """Round 0's seed (``_seeded``'s), or None for greedy runs; round r runs with seed + r."""
+    return None if cfg.sampling is None else cfg.sampling.seed
+
+
+def _set_up(cfg: BenchConfig, *, names: list[str], extra_arms: dict[str, Arm] | None) -> _Bench:
+    """The prompts, the pair and the arms on it (``extra_arms`` after the named ones). The
+    calibrated copy lengths are looked up only when an arm copies (it may print a note)."""
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
-    policies: dict[str, ArmPolicy] = {}
-
+    policies: dict[str, ArmPlan] = {}
     lengths = None
     if any(parse_policy(name).lookup for name in names):
         lengths = lookup_lengths(pair, quiet=not cfg.progress)
@@ -789,17 +831,22 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
         lookup_lengths=lengths,
     )
     arms.update(extra_arms or {})
-    results = {name: PolicyResult(name) for name in arms}
-    for arm in arms.values():  # warm-up: kernels, allocator, thread pools; not timed
-        arm(prompts[0].text, 4, seed0)
-    # Replay's prices are sampled across the timed runs, a slice after every prompt, as the
-    # arms are: one measurement at one moment misprices a run these CPUs drift through.
-    sampler = pair_sampler(pair, max_candidates=MAX_CANDIDATES) if "oracle" in names else None
-    total = len(prompts) * cfg.repeats * len(arms)
+    return _Bench(prompts=prompts, pair=pair, arms=arms, policies=policies, lengths=lengths)
+
+
+def _time_arms(
+    bench: _Bench, *, cfg: BenchConfig, results: dict[str, PolicyResult], sampler: Any
+) -> None:
+    """Every arm on every prompt, ``cfg.repeats`` times, into ``results``. Each round runs
+    every arm once with the same seed, in an order rotated round by round, so machine drift
+    and position effects hit the arms alike; ``sampler`` (the oracle's latency profile, or
+    None) takes a slice after every prompt, so drift reaches replay's prices too."""
+    total = len(bench.prompts) * cfg.repeats * len(bench.arms)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not cfg.progress)
-    order = list(arms)
+    order = list(bench.arms)
+    seed0 = _first_seed(cfg)
     rounds = 0
-    for prompt in prompts:
+    for prompt in bench.prompts:
         for res in results.values():
             res.per_prompt_seconds.append(0.0)
             res.per_prompt_tokens.append(0)
@@ -807,38 +854,44 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
             runs: dict[str, ArmRun] = {}
             seed = None if seed0 is None else seed0 + rounds  # the same for every arm
             for name in rotated(order, rounds):  # each prompt runs every arm, order rotated
-                runs[name] = arms[name](prompt.text, cfg.max_new_tokens, seed)
+                runs[name] = bench.arms[name](prompt.text, cfg.max_new_tokens, seed)
                 bar.update(1)
                 bar.set_postfix(prompt=prompt.id[:20], arm=name)
             rounds += 1
             reference = runs["target-only"].ids
-            if sampling is not None:  # scored after the timed runs, outside them
-                prompt_ids, _ = _encoded(pair, prompt.text, chat=cfg.chat)
-                for arm_index, (name, run) in enumerate(runs.items()):
-                    scored = score_run(
-                        pair, prompt_ids, run.ids, sampling, seed=rounds * 1009 + arm_index
-                    )
-                    results[name].logprobs.append(scored.mean_logprob)
-                    results[name].pit.extend(scored.pit)
-                    results[name].scored.append((scored.excess, scored.variance))
+            if cfg.sampling is not None:  # scored after the timed runs, outside them
+                _score_round(bench.pair, prompt, runs=runs, results=results, cfg=cfg, rounds=rounds)
             for name, run in runs.items():
-                res = results[name]
-                res.per_prompt_seconds[-1] += run.seconds
-                res.per_prompt_tokens[-1] += len(run.ids)
-                res.seconds += run.seconds
-                res.tokens += len(run.ids)
-                res.target_forwards += run.target_forwards
-                res.drafted += run.drafted
-                res.accepted += run.accepted
-                res.policy_seconds += run.policy_seconds
-                res.decisions += run.decisions
-                res.copied += run.copied
-                res.copied_accepted += run.copied_accepted
-                res.runs += 1
-                res.identical_runs += int(run.ids == reference)
+                results[name].add(run, identical=run.ids == reference)
         if sampler is not None:
             sampler.sample(rounds=1)
     bar.close()
+
+
+def _score_round(
+    pair: Any,
+    prompt: Prompt,
+    *,
+    runs: dict[str, ArmRun],
+    results: dict[str, PolicyResult],
+    cfg: BenchConfig,
+    rounds: int,
+) -> None:
+    """Sampling: each arm's samples of this round scored under the target's distribution (its
+    mean log-probability, PIT values and excess log-probability), what the distribution checks
+    test; the PIT's uniforms are seeded by the round and the arm, so scoring is reproducible."""
+    assert cfg.sampling is not None
+    prompt_ids, _ = _encoded(pair, prompt.text, chat=cfg.chat)
+    for arm_index, (name, run) in enumerate(runs.items()):
+        scored = score_run(pair, prompt_ids, run.ids, cfg.sampling, seed=rounds * 1009 + arm_index)
+        results[name].logprobs.append(scored.mean_logprob)
+        results[name].pit.extend(scored.pit)
+        results[name].scored.append((scored.excess, scored.variance))
+
+
+def _compare_with_target(results: dict[str, PolicyResult], *, sampled: bool) -> None:
+    """Each arm against target-only: its speed-up with a 95 % interval paired by prompt and,
+    ``sampled``, the distribution checks (paired log-probability, PIT uniformity, excess)."""
     base = results["target-only"]
     for res in results.values():
         res.speedup_vs_target = rate_ratio(res, base)
@@ -849,7 +902,7 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 base_tokens=base.per_prompt_tokens,
                 arm_tokens=res.per_prompt_tokens,
             )
-        if sampling is not None:
+        if sampled:
             res.check = paired_check(base.logprobs, res.logprobs)
             res.uniformity = uniformity_check(res.pit)
             res.excess = ExcessCheck(
@@ -857,24 +910,40 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
                 excess=sum(e for e, _ in res.scored),
                 variance=sum(v for _, v in res.scored),
             )
-    ordered = [results[n] for n in arms]
-    measured_profile = None
-    if "oracle" in names:  # one long-lookahead pass: the oracle, and what replay predicts
-        data, profile, prefill = _replay_pass(pair, prompts, cfg, sampler)
-        predicted = _exact_predictions(pair, prompts, cfg, policies, profile)
-        for res in ordered:
-            if res.name == "target-only" and res.name in predicted:
-                res.predicted_seconds = predicted[res.name][2]
-            elif res.name in predicted:
-                res.predicted, res.predicted_forwards, res.predicted_seconds = predicted[res.name]
-        assert sampler is not None
-        # how many slices and timed rounds the medians are over
-        measured_profile = profile.to_dict() | {"slices": sampler.slices, "rounds": sampler.rounds}
-        oracle = _predict_oracle(data, profile, prefill)
-        ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
-        ordered.append(
-            PolicyResult(PLAN_ORACLE, simulated=True, speedup_vs_target=predicted[PLAN_ORACLE][0])
-        )
+
+
+def _replay_arms(
+    bench: _Bench, *, cfg: BenchConfig, ordered: list[PolicyResult], sampler: Any
+) -> dict[str, Any]:
+    """The oracle arm's pass: each measured uag arm gets exact replay's prediction, and the
+    simulated arms (the oracle, the plan oracle) join ``ordered``. Returns the latency profile
+    replay priced with, with how many slices and timed rounds its medians are over."""
+    data, profile, prefill = _replay_pass(bench.pair, bench.prompts, cfg, sampler)
+    predicted = _exact_predictions(bench.pair, bench.prompts, cfg, bench.policies, profile)
+    for res in ordered:
+        if res.name == "target-only" and res.name in predicted:
+            res.predicted_seconds = predicted[res.name][2]
+        elif res.name in predicted:
+            res.predicted, res.predicted_forwards, res.predicted_seconds = predicted[res.name]
+    measured = profile.to_dict() | {"slices": sampler.slices, "rounds": sampler.rounds}
+    oracle = _predict_oracle(data, profile, prefill)
+    ordered.append(PolicyResult("oracle", simulated=True, speedup_vs_target=oracle or 1.0))
+    ordered.append(
+        PolicyResult(PLAN_ORACLE, simulated=True, speedup_vs_target=predicted[PLAN_ORACLE][0])
+    )
+    return measured
+
+
+def _report(
+    bench: _Bench,
+    *,
+    cfg: BenchConfig,
+    ordered: list[PolicyResult],
+    profile: dict[str, Any] | None,
+) -> BenchReport:
+    """The report: the arms in order, the machine, and the settings as run (the copy lengths
+    and the draft vocabulary the pair used, beside what was asked)."""
+    pair = bench.pair
     machine = (
         f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} threads, torch {torch.__version__}, device {pair.target.device}"
@@ -882,14 +951,14 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     config = {
         k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
     }
-    config["lookup_lengths"] = list(lengths or PromptLookup().max_tokens)
+    config["lookup_lengths"] = list(bench.lengths or PromptLookup().max_tokens)
     config["draft_vocab_used"] = pair.draft_vocab  # ``draft_vocab`` is what was asked (None)
     return BenchReport(
         policies=ordered,
         machine=machine,
-        prompts=len(prompts),
+        prompts=len(bench.prompts),
         config=config,
-        profile=measured_profile,
+        profile=profile,
     )
 
 

@@ -1,5 +1,7 @@
 """Prompt lookup's copy lengths, chosen for this machine by exact replay (``uag calibrate``).
 
+The file it writes is read by ``uag.recipes`` (``lookup_lengths``), which every run consults.
+
 Why: how many tokens lookup copies after a match (``PromptLookup.max_tokens``, by match length)
 trades a longer verify against more tokens per round, and what a verify costs by row count is
 the machine's. The built-in lengths (3, 5, 11) were searched against a 2-core Xeon's verify
@@ -17,18 +19,12 @@ lengths are searched for lookup alone and then serve every ``+lookup`` policy to
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import platform
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from controllers.rules import NoDraftPolicy
+from controllers.plans import RulePlan
 from uag.api import encode_prompt, render_prompt
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.profile import LatencyProfile
@@ -37,8 +33,10 @@ from uag.errors import UagError
 from uag.harness import dryrun
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile
-from uag.kernels import native
-from uag.paths import cache_root
+from uag.recipes import (
+    LookupCalibration,
+    machine_id,
+)
 
 DEFAULT_PROMPTS = "humaneval:train+mixed:train"
 """What ``uag calibrate`` replays unless told otherwise: training prompts (bench's are test)."""
@@ -54,55 +52,6 @@ class CalibrateConfig(RunConfig):
     prompts: str = DEFAULT_PROMPTS
     out: Path = Path(".")
     limit: int | None = 15
-
-
-@dataclass(frozen=True)
-class LookupCalibration:
-    """Copy lengths by match length for this machine, and what replay priced them at."""
-
-    lengths: tuple[int, ...]
-    predicted: float
-    """Replay's speed-up of lookup alone over the target alone with ``lengths``."""
-    default_predicted: float
-    """The same with ``PromptLookup``'s built-in lengths."""
-    machine: str
-    prompts: int
-    max_new_tokens: int
-
-
-def machine_id() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, else what ``platform`` knows) and torch's
-    thread count: what a verify's price by row count depends on besides the code."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    return f"{name}, {torch.get_num_threads()} threads"
-
-
-def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
-    """Where the calibration for ``pair``'s target on this machine lives (a new kernels build,
-    another CPU or thread count, target, kernels or device is another file). Lookup alone never
-    runs the assistant, so the lengths are the target's: any assistant, int8 or not, uses them
-    (a calibration without ``--assistant-int8`` serves ``generate --controller`` too)."""
-    lib = native._library()[0] if pair.kernels == "native" else None
-    build = Path(getattr(lib, "_name", "")).name
-    key = json.dumps(
-        [
-            machine or machine_id(),
-            pair.target.ref,
-            pair.kernels,
-            str(pair.target.device),
-            build,
-        ]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "calibration" / f"lookup-{digest}.json"
 
 
 def search_lengths(
@@ -163,10 +112,9 @@ def calibrate_lookup(
             dryrun.replay(
                 pair,
                 trace,
-                NoDraftPolicy(),
+                RulePlan(None, lookup=PromptLookup(max_tokens=lengths)),
                 prompt_assistant_ids=a_ids,
                 profile=prices,
-                lookup=PromptLookup(max_tokens=lengths),
             )
             for trace, a_ids in zip(traces, assistant_ids, strict=True)
         ]
@@ -183,41 +131,3 @@ def calibrate_lookup(
         prompts=len(prompts),
         max_new_tokens=max_new_tokens,
     )
-
-
-def save(calibration: LookupCalibration, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(calibration), indent=1) + "\n")
-    tmp.replace(path)  # atomic: a reader never sees half a file
-
-
-def load(path: Path) -> LookupCalibration | None:
-    """The calibration at ``path``, None when there is none; a damaged file is an error."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        data["lengths"] = tuple(int(n) for n in data["lengths"])
-        calibration = LookupCalibration(**data)
-        PromptLookup(max_tokens=calibration.lengths)  # lengths it accepts
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise UagError(
-            f"calibration file {path} is damaged ({exc}): run uag calibrate again or delete it"
-        ) from exc
-    return calibration
-
-
-def lookup_lengths(pair: Any, *, quiet: bool = False) -> tuple[int, ...] | None:
-    """This machine's calibrated copy lengths for ``pair`` (saying so on stderr), or None."""
-    path = calibration_path(pair)
-    calibration = load(path)
-    if calibration is None:
-        return None
-    if not quiet:
-        print(
-            f"uag: prompt lookup copies {'/'.join(map(str, calibration.lengths))} tokens after a "
-            f"1/2/3+-token match, as uag calibrate chose on this machine ({path})",
-            file=sys.stderr,
-        )
-    return calibration.lengths

@@ -30,6 +30,7 @@ from tqdm import tqdm
 import uag
 from controllers.explore import ExplorePolicy, RoundLog
 from controllers.learned import LearnedPolicy
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from training.data import read_meta
 from uag import api
@@ -166,13 +167,18 @@ def rows_for_prompt(
 ) -> dict[str, np.ndarray]:
     """Column arrays for one prompt's drafted tokens (labels from the iteration records).
 
-    ``rounds`` (on-policy collection, ``controllers.explore``): per iteration, whether it
-    explored and whether the controller would have drafted each position; rows then carry
-    ``explored`` and ``propensity`` = ``eps + (1 - eps) * would_draft``. Without them every
-    round drafted the full lookahead: explored 1, propensity 1.
+    ``rounds`` (on-policy collection, ``controllers.explore``): per iteration the assistant
+    drafted in (its action a draft: the prompt's own round is a step), whether it explored and
+    whether the controller would have drafted each position; rows then carry ``explored`` and
+    ``propensity`` = ``eps + (1 - eps) * would_draft``. Without them every round drafted the
+    full lookahead: explored 1, propensity 1.
     """
-    if rounds is not None and len(rounds) != len(iterations):
-        raise ValueError(f"{len(rounds)} exploration records for {len(iterations)} iterations")
+    drafting = [i for i, r in enumerate(iterations) if r.action.startswith("draft")]
+    if rounds is not None and len(rounds) != len(drafting):
+        raise ValueError(
+            f"{len(rounds)} exploration records for {len(drafting)} drafting iterations"
+        )
+    logs = dict(zip(drafting, rounds, strict=True)) if rounds is not None else {}
     steps = [s for r in iterations for s in r.steps]
     feats = feature_rows(steps)
     columns: dict[str, np.ndarray] = {name: feats[:, j] for j, name in enumerate(FEATURE_NAMES)}
@@ -185,7 +191,7 @@ def rows_for_prompt(
     for it, rec in enumerate(iterations):
         soft += list(rec.accept_probs)
         rates += list(rec.accept_rates)
-        log = rounds[it] if rounds is not None else None
+        log = logs.get(it)
         for j, s in enumerate(rec.steps):
             # Label: the text of drafts 1..i lies inside the accepted text (monotone by construction).
             accepted.append(int(s.position <= rec.accepted_drafts))
@@ -396,10 +402,62 @@ def collect_for_plan(cfg: CollectConfig, *, progress: bool = True) -> tuple[int,
 
 
 def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
-    """Run the collection described by ``cfg`` (see the module docstring for the layout)."""
-    # Transformers takes seconds to import: only a run pays (the CLI imports this module).
-    import transformers
+    """Run the collection described by ``cfg`` (see the module docstring for the layout).
 
+    In phases: this shard's prompts and the output directory checked, the pair loaded, the
+    meta written (with the latency profile), then prompt by prompt: run, write, tally."""
+    shard = _open_shard(cfg)
+    pair = cfg.load_pair()
+    if shard.learned is not None:
+        shard.learned.warn_if_foreign_to(
+            cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab
+        )
+    meta = meta_path(cfg.out, cfg.shard)
+    if not meta.exists() or cfg.reprofile:
+        _write_meta(cfg, pair=pair, path=meta)
+    writer = _tensorboard(cfg.logdir)
+    summary = CollectSummary(
+        out=cfg.out,
+        prompts_total=len(shard.mine),
+        prompts_done=0,
+        prompts_skipped=len(shard.mine) - len(shard.todo),
+        rows=0,
+        accepted=0,
+        loop_seconds=0.0,
+        logging_seconds=0.0,
+        meta_path=meta,
+        logdir=cfg.logdir,
+    )
+    tally = _Tally.up_to(cfg.max_lookahead)
+    i, n = cfg.shard
+    bar = tqdm(shard.todo, desc=f"collect {i}/{n}", unit="prompt", disable=not progress)
+    for prompt in bar:
+        run = _run_prompt(cfg, pair=pair, prompt=prompt, learned=shard.learned)
+        _log_prompt(cfg, prompt=prompt, run=run, summary=summary, tally=tally, writer=writer)
+        bar.set_postfix(acceptance=f"{summary.acceptance_rate:.1%}", rows=summary.rows)
+    summary.acceptance_by_position = tally.by_position()
+    if writer is not None:
+        tally.write(writer, rates=summary.acceptance_by_position)
+        writer.close()
+    return summary
+
+
+@dataclass
+class _Shard:
+    """This process's share of a collect run."""
+
+    mine: list[Prompt]
+    """The prompts this shard takes (index % n == i)."""
+    todo: list[Prompt]
+    """Of those, the ones not already on disk (``--resume``)."""
+    learned: LearnedPolicy | None
+    """The controller it collects on-policy with (None: the full lookahead every round)."""
+
+
+def _open_shard(cfg: CollectConfig) -> _Shard:
+    """This shard's prompts, and the output directory checked and cleared as asked. The
+    controller loads first, so a bad file fails before ``--overwrite`` deletes anything; shards
+    a launcher started together let shard 0 clear the whole run before the others look."""
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     i, n = cfg.shard
     mine = [p for k, p in enumerate(prompts) if k % n == i]
@@ -410,120 +468,159 @@ def collect(cfg: CollectConfig, *, progress: bool = True) -> CollectSummary:
         todo = _prepare_together(cfg, mine)
     else:
         todo = _prepare_out(cfg, mine, clear_all=n == 1)
-    pair = cfg.load_pair()
-    if learned is not None:
-        learned.warn_if_foreign_to(
-            cfg, device=pair.target.device.type, draft_vocab=pair.draft_vocab
-        )
+    return _Shard(mine=mine, todo=todo, learned=learned)
 
-    meta = meta_path(cfg.out, cfg.shard)
-    if not meta.exists() or cfg.reprofile:
-        profile = measure_pair_profile(
-            pair, max_candidates=cfg.max_lookahead + 1, repeats=cfg.profile_repeats
-        )
-        record = {
-            **run_settings(cfg),
-            "kernels": pair.kernels,
-            "assistant_draft_vocab": pair.draft_vocab,
-            "shard": list(cfg.shard),
-            "latency_profile": profile.to_dict(),
-            "versions": {
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "uag": uag.__version__,
-            },
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-        }
-        _atomic_write_bytes(meta, json.dumps(record, indent=2).encode())
 
-    writer = None
-    logdir = cfg.logdir
-    if logdir is not None:
-        # TensorBoard's writer is slow to import: only with --logdir.
-        from torch.utils.tensorboard import SummaryWriter
+def _write_meta(cfg: CollectConfig, *, pair: Any, path: Path) -> None:
+    """The run's meta file: its settings (what ``--resume`` compares), the pair as loaded, the
+    latency profile measured now (what training prices rounds with) and the versions."""
+    # Transformers takes seconds to import: only a run pays (the CLI imports this module).
+    import transformers
 
-        writer = SummaryWriter(log_dir=str(logdir))
-    summary = CollectSummary(
-        out=cfg.out,
-        prompts_total=len(mine),
-        prompts_done=0,
-        prompts_skipped=len(mine) - len(todo),
-        rows=0,
-        accepted=0,
-        loop_seconds=0.0,
-        logging_seconds=0.0,
-        meta_path=meta,
-        logdir=logdir,
+    profile = measure_pair_profile(
+        pair, max_candidates=cfg.max_lookahead + 1, repeats=cfg.profile_repeats
     )
-    by_pos_total = np.zeros(cfg.max_lookahead + 1)
-    by_pos_accepted = np.zeros(cfg.max_lookahead + 1)
-    probs_acc: list[np.ndarray] = []
-    probs_rej: list[np.ndarray] = []
-    bar = tqdm(todo, desc=f"collect {i}/{n}", unit="prompt", disable=not progress)
-    for prompt in bar:
-        start = time.perf_counter()
-        sampling = cfg.sampling
-        if sampling is not None:
-            sampling = replace(sampling, seed=prompt_seed(sampling.seed or 0, prompt.id))
-        policy: ExplorePolicy | StaticPolicy = StaticPolicy(k=cfg.max_lookahead)
-        if learned is not None:
-            policy = ExplorePolicy(
-                inner=learned, eps=cfg.explore, lookahead=cfg.max_lookahead, seed=prompt.id
-            )
-        out = api.generate(
-            pair,
-            prompt.text,
-            policy=policy,
-            max_new_tokens=cfg.max_new_tokens,
-            chat=cfg.chat,
-            keep_steps=True,
-            sampling=sampling,
+    record = {
+        **run_settings(cfg),
+        "kernels": pair.kernels,
+        "assistant_draft_vocab": pair.draft_vocab,
+        "shard": list(cfg.shard),
+        "latency_profile": profile.to_dict(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "uag": uag.__version__,
+        },
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+    }
+    _atomic_write_bytes(path, json.dumps(record, indent=2).encode())
+
+
+def _tensorboard(logdir: Path | None) -> Any:
+    """A TensorBoard writer into ``logdir``, or None without one."""
+    if logdir is None:
+        return None
+    # TensorBoard's writer is slow to import: only with --logdir.
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(logdir))
+
+
+@dataclass
+class _PromptRun:
+    """One prompt through uag's loop."""
+
+    out: api.GenerationResult
+    rounds: list[RoundLog] | None
+    """The exploring policy's record of each round (None: every round drafted in full)."""
+    seconds: float
+    """The loop's wall time, what logging's overhead is measured against."""
+
+
+def _run_prompt(
+    cfg: CollectConfig, *, pair: Any, prompt: Prompt, learned: LearnedPolicy | None
+) -> _PromptRun:
+    """``prompt`` through the loop with its draft steps kept: the full lookahead every round,
+    or ``learned``'s choices with exploration. Sampling seeds each prompt by its id, so a
+    resumed or sharded run draws what a single run would."""
+    start = time.perf_counter()
+    sampling = cfg.sampling
+    if sampling is not None:
+        sampling = replace(sampling, seed=prompt_seed(sampling.seed or 0, prompt.id))
+    policy: ExplorePolicy | StaticPolicy = StaticPolicy(k=cfg.max_lookahead)
+    if learned is not None:
+        policy = ExplorePolicy(
+            inner=learned, eps=cfg.explore, lookahead=cfg.max_lookahead, seed=prompt.id
         )
-        loop_s = time.perf_counter() - start
-        start = time.perf_counter()
-        columns = rows_for_prompt(
-            prompt,
-            out.iterations,
-            rounds=policy.rounds if isinstance(policy, ExplorePolicy) else None,
-            eps=cfg.explore,
+    out = api.generate(
+        pair,
+        prompt.text,
+        plan=RulePlan(policy),
+        max_new_tokens=cfg.max_new_tokens,
+        chat=cfg.chat,
+        keep_steps=True,
+        sampling=sampling,
+    )
+    return _PromptRun(
+        out=out,
+        rounds=policy.rounds if isinstance(policy, ExplorePolicy) else None,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _log_prompt(
+    cfg: CollectConfig,
+    *,
+    prompt: Prompt,
+    run: _PromptRun,
+    summary: CollectSummary,
+    tally: _Tally,
+    writer: Any,
+) -> None:
+    """``run``'s rows written to the prompt's part file and counted into ``summary``, ``tally``
+    and TensorBoard. Logging is timed against the loop so its overhead can be reported
+    (target: < 5 %)."""
+    start = time.perf_counter()
+    columns = rows_for_prompt(prompt, run.out.iterations, rounds=run.rounds, eps=cfg.explore)
+    write_part(part_path(cfg.out, prompt.id), columns)
+    acc = tally.add(columns)
+    summary.prompts_done += 1
+    summary.rows += len(acc)
+    summary.accepted += int(acc.sum())
+    if writer is not None:
+        step = summary.prompts_done + summary.prompts_skipped
+        writer.add_scalar("collect/acceptance_rate", float(acc.mean()) if len(acc) else 0.0, step)
+        writer.add_scalar(
+            "collect/tokens_per_target_forward",
+            run.out.tokens_per_forward,
+            step,
         )
-        write_part(part_path(cfg.out, prompt.id), columns)
+    summary.logging_seconds += time.perf_counter() - start
+    summary.loop_seconds += run.seconds
+
+
+@dataclass
+class _Tally:
+    """Over every prompt of the run: acceptance by draft position (the summary's) and the
+    drafted tokens' probabilities, accepted or rejected (TensorBoard's histograms)."""
+
+    by_pos_total: np.ndarray
+    by_pos_accepted: np.ndarray
+    probs_acc: list[np.ndarray] = field(default_factory=list)
+    probs_rej: list[np.ndarray] = field(default_factory=list)
+
+    @classmethod
+    def up_to(cls, max_lookahead: int) -> _Tally:
+        """An empty tally for draft positions 1..``max_lookahead`` (index 0 unused)."""
+        return cls(
+            by_pos_total=np.zeros(max_lookahead + 1), by_pos_accepted=np.zeros(max_lookahead + 1)
+        )
+
+    def add(self, columns: dict[str, np.ndarray]) -> np.ndarray:
+        """One prompt's rows counted; returns their labels (accepted or not) as booleans."""
         acc = columns["accepted"].astype(bool)
         pos = columns["position"]
-        np.add.at(by_pos_total, pos, 1)
-        np.add.at(by_pos_accepted, pos[acc], 1)
-        probs_acc.append(columns["prob"][acc])
-        probs_rej.append(columns["prob"][~acc])
-        summary.prompts_done += 1
-        summary.rows += len(acc)
-        summary.accepted += int(acc.sum())
-        if writer is not None:
-            step = summary.prompts_done + summary.prompts_skipped
-            writer.add_scalar(
-                "collect/acceptance_rate", float(acc.mean()) if len(acc) else 0.0, step
-            )
-            writer.add_scalar(
-                "collect/tokens_per_target_forward",
-                out.tokens_per_forward,
-                step,
-            )
-        # Logging is measured against the loop so its overhead can be reported (target: < 5%).
-        summary.logging_seconds += time.perf_counter() - start
-        summary.loop_seconds += loop_s
-        bar.set_postfix(acceptance=f"{summary.acceptance_rate:.1%}", rows=summary.rows)
-    summary.acceptance_by_position = [
-        float(a / t) if t else 0.0
-        for a, t in zip(by_pos_accepted[1:], by_pos_total[1:], strict=True)
-    ]
-    if writer is not None:
-        for p, rate in enumerate(summary.acceptance_by_position, start=1):
+        np.add.at(self.by_pos_total, pos, 1)
+        np.add.at(self.by_pos_accepted, pos[acc], 1)
+        self.probs_acc.append(columns["prob"][acc])
+        self.probs_rej.append(columns["prob"][~acc])
+        return acc
+
+    def by_position(self) -> list[float]:
+        """The acceptance rate at each draft position 1..max_lookahead (0.0 where none)."""
+        return [
+            float(a / t) if t else 0.0
+            for a, t in zip(self.by_pos_accepted[1:], self.by_pos_total[1:], strict=True)
+        ]
+
+    def write(self, writer: Any, *, rates: list[float]) -> None:
+        """``rates`` (``by_position``'s) and the probability histograms into TensorBoard."""
+        for p, rate in enumerate(rates, start=1):
             writer.add_scalar("collect/acceptance_by_position", rate, p)
         for tag, parts in (
-            ("collect/prob_accepted", probs_acc),
-            ("collect/prob_rejected", probs_rej),
+            ("collect/prob_accepted", self.probs_acc),
+            ("collect/prob_rejected", self.probs_rej),
         ):
             values = np.concatenate(parts) if parts else np.zeros(0)
             if values.size:  # TensorBoard refuses an empty histogram
                 writer.add_histogram(tag, values, 0)
-        writer.close()
-    return summary

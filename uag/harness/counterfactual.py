@@ -32,10 +32,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from controllers.rules import StaticPolicy
-from uag.decoding.actions import Action, ActionChoice, ActionSet, Copy, Draft, copy_lookup
+from uag.decoding.actions import Action, ActionSet, Copy, Draft, copy_lookup
 from uag.decoding.assistant_text import AssistantText
 from uag.decoding.drafters import AssistantDrafter, GreedyDraft, Pick
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import ChoosingPlan, Sources
 from uag.decoding.round import IterationRecord, Session, clip
 from uag.decoding.sampling import TargetQ
 from uag.decoding.stopwatch import Stopwatch
@@ -126,26 +127,22 @@ class Labels:
 def label_run(
     pair: Any,
     trace: TargetTrace,
-    behaviour: ActionChoice,
+    behaviour: ChoosingPlan,
     *,
     actions: ActionSet,
     prompt_assistant_ids: Sequence[int],
     lookup: PromptLookup | None = None,
 ) -> Labels:
     """Run ``behaviour`` on the recorded prompt (exact replay) and label every action of
-    ``actions`` at each of its round starts. ``lookup`` (default ``copy_lookup()``) is the
-    behaviour's and the copies' prompt lookup; ``trace`` must be ``record_trace``'s on this
-    pair."""
-    labeller = Labeller(trace=trace, actions=actions, eos=pair.target.eos_ids, choice=behaviour)
+    ``actions`` at each of its round starts. ``lookup`` becomes the behaviour's and the
+    copies' prompt lookup (None: the behaviour's own, else ``copy_lookup()``); ``trace`` must
+    be ``record_trace``'s on this pair."""
+    if lookup is not None or behaviour.lookup is None:
+        behaviour.lookup = lookup if lookup is not None else copy_lookup()
+    labeller = Labeller(trace=trace, actions=actions, eos=pair.target.eos_ids)
     behaviour.watch = labeller
     try:
-        out = replay_loop(
-            pair,
-            trace,
-            behaviour,
-            prompt_assistant_ids=prompt_assistant_ids,
-            lookup=lookup if lookup is not None else copy_lookup(),
-        )
+        out = replay_loop(pair, trace, behaviour, prompt_assistant_ids=prompt_assistant_ids)
     finally:
         behaviour.watch = None
     rounds = tuple(
@@ -161,57 +158,69 @@ def label_run(
     return labels
 
 
-class Labeller:
-    """Called at each round start (``ActionChoice.watch``): every action's outcome there."""
+def undrafted(
+    *, candidates: int, accepted: int, emitted: int, copied: bool, pending: int
+) -> Outcome:
+    """A step's or a copy's outcome (``copied``): the assistant does nothing that round (no
+    draft, catch-up or healing), and the verify's rows are the ``pending`` token(s) and the
+    candidates. Shared by the exact labels and sampling's expected ones, so they agree on it."""
+    return Outcome(
+        candidates=candidates,
+        accepted=accepted,
+        emitted=emitted,
+        drafted=0,
+        accepted_drafts=0,
+        lag=0,
+        healed=0,
+        copied=copied,
+        rows=pending + candidates,
+        draft_steps=0,
+    )
 
-    def __init__(
-        self,
-        *,
-        trace: TargetTrace,
-        actions: ActionSet,
-        eos: frozenset[int],
-        choice: ActionChoice,
-    ) -> None:
-        self.trace, self.actions, self.eos, self.choice = trace, actions, eos, choice
+
+def round_start(session: Session, *, match: int, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """A labeller's record of one round start (``RoundLabels``' fields but the action taken):
+    where the run stood, prompt lookup's match there, and every action's outcome in order."""
+    return {
+        "round": len(session.records),
+        "generated": session.generated,
+        "room": session.room,
+        "match": match,
+        "outcomes": tuple(outcomes),
+    }
+
+
+class Labeller:
+    """Called at each round start (``ChoosingPlan.watch``): every action's outcome there."""
+
+    def __init__(self, *, trace: TargetTrace, actions: ActionSet, eos: frozenset[int]) -> None:
+        self.trace, self.actions, self.eos = trace, actions, eos
         self.rounds: list[dict[str, Any]] = []
 
-    def __call__(self, session: Session) -> None:
+    def __call__(self, session: Session, sources: Sources) -> None:
         pending = len(session.target.ids) - session.target.cached
-        match = self.choice.lookup.match(session) if self.choice.lookup is not None else []
+        match = sources.match(session).ids
         kmax = self.actions.max_lookahead
-        drafts = self._drafts(session, kmax=kmax, pending=pending) if kmax else {}
+        drafts = self._drafts(session, sources, kmax=kmax, pending=pending) if kmax else {}
         outcomes = []
         for action in self.actions:
             if isinstance(action, Draft):
-                outcomes.append(drafts[action.lookahead])
+                outcomes.append(drafts[action.lookahead or kmax])
                 continue
-            if isinstance(action, Copy) and self.choice.lookup is None:
+            if isinstance(action, Copy) and sources.lookup is None:
                 raise ValueError(f"{action.name} needs prompt lookup")
             candidates = match[: action.length] if isinstance(action, Copy) else []
             accepted, emitted = self._verify(session, candidates)
             outcomes.append(
-                Outcome(
+                undrafted(
                     candidates=len(candidates),
                     accepted=accepted,
                     emitted=len(emitted),
-                    drafted=0,
-                    accepted_drafts=0,
-                    lag=0,
-                    healed=0,
                     copied=isinstance(action, Copy),
-                    rows=pending + len(candidates),
-                    draft_steps=0,
+                    pending=pending,
                 )
             )
-        self.rounds.append(
-            {
-                "round": len(session.records),
-                "generated": session.generated,
-                "room": session.room,
-                "match": len(match),
-                "outcomes": tuple(outcomes),
-            }
-        )
+        self.rounds.append(round_start(session, match=len(match), outcomes=outcomes))
 
     def _verify(self, session: Session, candidates: list[int]) -> tuple[int, list[int]]:
         """The greedy verdict, from the record: ``(accepted candidates, emitted tokens)``."""
@@ -222,10 +231,12 @@ class Labeller:
         emitted, _ = clip(list(ahead[: accepted + 1]), eos_ids=self.eos, room=session.room)
         return accepted, emitted
 
-    def _drafts(self, session: Session, *, kmax: int, pending: int) -> dict[int, Outcome]:
+    def _drafts(
+        self, session: Session, sources: Sources, *, kmax: int, pending: int
+    ) -> dict[int, Outcome]:
         """Every lookahead's outcome ``1..kmax``, from one fork of the assistant drafting
         ``kmax``: a draft of ``k`` drafts the same tokens, cut to ``k``."""
-        real = self.choice.assistant
+        real = sources.assistant
         if real is None or real.text is None:
             raise ValueError("draft actions need the assistant")
         if not isinstance(real.draw, GreedyDraft):

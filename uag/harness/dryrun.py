@@ -1,4 +1,4 @@
-"""Exact replay: the real loop for any greedy policy, the target answered from a recorded run.
+"""Exact replay: the real loop for any greedy plan, the target answered from a recorded run.
 
 Why: replay over collected rounds (``training.replay``) assumes a policy only cuts the
 long-lookahead pass's rounds and never moves where rounds start. A policy that stops early
@@ -23,8 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from uag.decoding.lookup import PromptLookup
-from uag.decoding.policy import StopPolicy
+from uag.decoding.plan import Plan
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import IterationRecord, LoopOutput, target_only_loop
 from uag.decoding.speculative import speculate
@@ -134,10 +133,9 @@ class _KnownTarget:
 def replay_loop(
     pair: Any,
     trace: TargetTrace,
-    policy: StopPolicy,
+    plan: Plan,
     *,
     prompt_assistant_ids: Sequence[int],
-    lookup: PromptLookup | None = None,
 ) -> LoopOutput:
     """The real loop (``speculate``, greedy) on the recorded prompt, its target answered from
     ``trace``: what ``replay`` prices and ``uag.harness.counterfactual`` labels from."""
@@ -149,15 +147,14 @@ def replay_loop(
         assistant_eos=pair.assistant.eos_ids,
         prompt_target_ids=trace.prompt_ids,
         prompt_assistant_ids=prompt_assistant_ids,
-        policy=policy,
+        plan=plan,
         max_new_tokens=len(trace.ids),
-        lookup=lookup,
     )
 
 
 @dataclass(frozen=True)
 class ReplayRun:
-    """One prompt replayed under one policy: the loop's rounds and what they cost."""
+    """One prompt replayed under one plan: the loop's rounds and what they cost."""
 
     records: list[IterationRecord]
     assistant_prefill_s: float
@@ -170,22 +167,21 @@ class ReplayRun:
 def replay(
     pair: Any,
     trace: TargetTrace,
-    policy: StopPolicy,
+    plan: Plan,
     *,
     prompt_assistant_ids: Sequence[int],
     profile: LatencyProfile,
-    lookup: PromptLookup | None = None,
 ) -> ReplayRun:
-    """The loop's rounds for ``policy`` on the recorded prompt. The output is the record's by
+    """The loop's rounds for ``plan`` on the recorded prompt. The output is the record's by
     construction, so nothing here can tell a record of another target: make it with
     ``record_trace`` on this pair."""
-    out = replay_loop(pair, trace, policy, prompt_assistant_ids=prompt_assistant_ids, lookup=lookup)
+    out = replay_loop(pair, trace, plan, prompt_assistant_ids=prompt_assistant_ids)
     first = next((r for r in out.iterations if r.drafted), None)
     extra = 0.0 if first is None else first.first_draft_s - profile.draft_s - profile.catchup_s
     return ReplayRun(
         records=out.iterations,
         assistant_prefill_s=max(extra, 0.0),
-        reads_features=policy.needs_features,
+        reads_features=plan.needs_features,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from uag.api import Pair, load_pair, resolve_assistant_int8
 from uag.errors import UagError
@@ -45,12 +46,31 @@ class RunConfig:
             raise UagError(f"--out: {problem}")
 
     def load_pair(self) -> Pair:
-        return load_pair(
-            self.target,
-            self.assistant,
-            device=self.device,
-            dtype=self.dtype,
-            assistant_int8=self.assistant_int8,
-            kernels=self.kernels,
-            draft_vocab=self.draft_vocab,
-        )
+        return load_pair_of(self)
+
+
+class PairSettings(Protocol):
+    """The settings that name a model pair: a job's config, or ``uag generate``'s flags once
+    ``uag.cli.settle_model_args`` has filled them."""
+
+    target: str
+    assistant: str
+    device: str
+    dtype: str
+    assistant_int8: bool | None
+    kernels: str
+    draft_vocab: int | None
+
+
+def load_pair_of(settings: PairSettings) -> Pair:
+    """The pair ``settings`` name: the one place those settings become ``load_pair``'s
+    arguments, so every command loads a pair the same way."""
+    return load_pair(
+        settings.target,
+        settings.assistant,
+        device=settings.device,
+        dtype=settings.dtype,
+        assistant_int8=settings.assistant_int8,
+        kernels=settings.kernels,
+        draft_vocab=settings.draft_vocab,
+    )

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
 from uag import api
 from uag.decoding.profile import PROFILE_CONTEXT, LatencyProfile
@@ -223,7 +224,7 @@ def measure_loop(pair: Any, profile: LatencyProfile, *, tokens: int = 48) -> Lat
     prompt = PROFILE_TEXT.split("    result = []")[0]  # HumanEval/1: the model writes the rest
     records: list[Any] = []
     for _ in range(2):
-        out = api.generate(pair, prompt, policy=StaticPolicy(k=2), max_new_tokens=tokens)
+        out = api.generate(pair, prompt, plan=RulePlan(StaticPolicy(k=2)), max_new_tokens=tokens)
         records = list(out.iterations)
     round_s, catchup_s, lag = loop_overheads(records, draft_s=profile.draft_s)
     return replace(profile, round_s=round_s, catchup_s=catchup_s, catchup_lag=lag)

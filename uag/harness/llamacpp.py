@@ -33,13 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from controllers.rules import NoDraftPolicy
 from controllers.spec import parse_policy
 from uag import api
 from uag.errors import UagError
 from uag.harness.bench import rotated
-from uag.harness.calibration import lookup_lengths
 from uag.harness.prompts import load_prompts
+from uag.recipes import lookup_lengths
 from uag.runtime.models import DEFAULT_TARGET, EMBEDDED, embedded_gguf_path
 
 ARMS = ("uag target-only", "uag lookup", "llama.cpp target-only", "llama.cpp lookup")
@@ -129,11 +128,8 @@ def run(args: argparse.Namespace) -> str:
         if arm.startswith("llama.cpp"):
             kind = arm.split(" ", 1)[1]
             return worker.run(ids[i], arm=kind, max_new_tokens=args.max_new_tokens, stop=stop_ids)
-        lookup = lookup_spec.make_lookup(lengths) if arm == "uag lookup" else None
-        policy = NoDraftPolicy() if lookup is not None else None
-        result = api.generate(
-            pair, prompts[i], policy=policy, lookup=lookup, max_new_tokens=args.max_new_tokens
-        )
+        plan = lookup_spec.plan(lengths=lengths) if arm == "uag lookup" else None
+        result = api.generate(pair, prompts[i], plan=plan, max_new_tokens=args.max_new_tokens)
         return result.token_ids, result.seconds
 
     try:

@@ -29,13 +29,15 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 from controllers.plan import action_price, best_action
-from uag.decoding.actions import Action, ActionChoice, ActionSet, Copy, Draft, copy_lookup
+from uag import api
+from uag.decoding.actions import Action, ActionSet, Copy, Draft, copy_lookup
+from uag.decoding.plan import ChoosingPlan, Sources
 from uag.decoding.plan_features import (
     PLAN_FEATURE_NAMES,
     PLAN_SCHEMA_VERSION,
@@ -46,11 +48,13 @@ from uag.decoding.plan_features import PLAN_META as META
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import MAX_CANDIDATES, Session
 from uag.decoding.sampling import SamplingConfig
-from uag.decoding.speculative import speculate
 from uag.errors import UagError
 from uag.harness import dryrun
 from uag.harness.counterfactual import Labeller
 from uag.harness.prompts import Prompt
+
+if TYPE_CHECKING:  # for annotations; imported where a run follows a controller (``_follow``)
+    from controllers.learned_plan import LearnedPlan
 
 OUTCOME_COLUMNS = ("emitted", "candidates", "draft_steps", "lag")
 """Per round and action: what ``Outcome`` says, the columns a price and a label need."""
@@ -87,14 +91,13 @@ class SamplingLabeller:
         if any(isinstance(a, Draft) for a in actions):
             raise UagError("sampling plans choose steps and copies: collect without drafts")
         self.actions, self.sampling = actions, sampling
-        self.choice: Any = None
         self.rounds: list[dict[str, Any]] = []
 
-    def __call__(self, session: Session) -> None:
+    def __call__(self, session: Session, sources: Sources) -> None:
         from uag.decoding.sampling import ProcessedRows
-        from uag.harness.counterfactual import Outcome, _fork_lm
+        from uag.harness.counterfactual import _fork_lm, round_start, undrafted
 
-        match = self.choice.lookup.match(session) if self.choice.lookup is not None else []
+        match = sources.match(session).ids
         pending = len(session.target.ids) - session.target.cached
         survival = [1.0]
         if match and session.target.cached:
@@ -109,31 +112,18 @@ class SamplingLabeller:
             length = a.length if isinstance(a, Copy) else 0
             length = min(length, len(match), max(session.room - 1, 0))
             outcomes.append(
-                Outcome(
+                undrafted(
                     candidates=length,
                     accepted=0,
                     emitted=min(1.0 + sum(survival[1 : length + 1]), session.room),  # type: ignore[arg-type]
-                    drafted=0,
-                    accepted_drafts=0,
-                    lag=0,
-                    healed=0,
                     copied=isinstance(a, Copy),
-                    rows=pending + length,
-                    draft_steps=0,
+                    pending=pending,
                 )
             )
-        self.rounds.append(
-            {
-                "round": len(session.records),
-                "generated": session.generated,
-                "room": session.room,
-                "match": len(match),
-                "outcomes": tuple(outcomes),
-            }
-        )
+        self.rounds.append(round_start(session, match=len(match), outcomes=outcomes))
 
 
-class OraclePlan(ActionChoice):
+class OraclePlan(ChoosingPlan):
     """Each round takes the action whose *exact* outcome there (counterfactual labels from
     ``trace``, or ``labeller``'s: under sampling, the expected outcome) maximises emitted −
     ``rate`` × price: the ceiling a learned plan is judged against.
@@ -153,16 +143,14 @@ class OraclePlan(ActionChoice):
         eos: Any = None,
         labeller: Any = None,
     ) -> None:
-        super().__init__()
+        super().__init__(lookup=copy_lookup())
         self.actions, self.profile, self.rate = actions, profile, rate
         if labeller is None:  # greedy: exact outcomes from the recorded target run
-            labeller = Labeller(trace=trace, actions=actions, eos=eos, choice=self)
-        else:  # e.g. sampling's expected outcomes (``uag.harness.plan_collect``)
-            labeller.choice = self
-        self.labeller = labeller
+            labeller = Labeller(trace=trace, actions=actions, eos=eos)
+        self.labeller = labeller  # else e.g. sampling's expected outcomes (``SamplingLabeller``)
 
-    def next_action(self, session: Session) -> Action:
-        self.labeller(session)
+    def choose(self, session: Session) -> Action:
+        self.labeller(session, self.sources)
         outcomes = self.labeller.rounds[-1]["outcomes"]
         prices = [
             action_price(
@@ -189,19 +177,19 @@ class ExploringOracle(OraclePlan):
         self.propensity: list[float] = []
         self._prompt_bytes = b""
 
-    def next_action(self, session: Session) -> Action:
+    def choose(self, session: Session) -> Action:
         if not session.records:
             self._prompt_bytes = session.bridge.target.bytes_of(session.prompt_ids)
-        assert self.lookup is not None
-        match = self.lookup.match_info(session)
+        match = self.sources.match(session)
         row = plan_row(
             session, match=match, state=round_state(session), prompt_bytes=self._prompt_bytes
         )
         self.rows.append(row)
-        best = super().next_action(session)  # labels every action at this round start
+        best = super().choose(session)  # labels every action at this round start
+        drafts = self.sources.assistant is not None
         if self.follow is not None:
-            best = self.follow.decide(row, drafts=self.assistant is not None)
-        options = runnable(self.actions, match=len(match.ids), drafts=self.assistant is not None)
+            best = self.follow.decide(row, drafts=drafts)
+        options = runnable(self.actions, match=len(match.ids), drafts=drafts)
         p_best = 1 - self.explore + self.explore / len(options)
         if self.rng.random() < self.explore:
             pick = self.actions.actions[self.rng.choice(options)]
@@ -286,43 +274,15 @@ def collect_plan(
     """Collect every prompt not already on disk; return (prompts written, rounds written).
     ``profile`` is called only when no earlier run's profile is kept (``--resume``)."""
     sampled = cfg.sampling is not None
-    temperatures = [] if cfg.sampling is None else [cfg.sampling.temperature]
     actions = default_actions(drafts=cfg.drafts and not sampled, max_draft=cfg.max_draft)
-    meta: dict[str, Any] = {
-        "kind": "plan",
-        "actions": list(actions.names),
-        "feature_names": list(PLAN_FEATURE_NAMES),
-        "plan_schema_version": PLAN_SCHEMA_VERSION,
-        "settings": {
-            **cfg.settings,
-            "max_new_tokens": cfg.max_new_tokens,
-            **(
-                {}
-                if cfg.sampling is None
-                else {"top_p": cfg.sampling.top_p, "top_k": cfg.sampling.top_k}
-            ),
-        },
-        "decoding": "sampling" if sampled else "greedy",
-        "temperatures": temperatures,
-        "explore": cfg.explore,
-        "behaviour": "oracle" if cfg.follow is None else str(cfg.follow),
-        "rate_factor": cfg.rate_factor,
-    }
-    _prepare(cfg, meta)
-    if "latency_profile" not in meta:
-        meta["latency_profile"] = profile().to_dict()
-        (cfg.out / META).write_text(json.dumps(meta, indent=1))
-    prices = LatencyProfile.from_dict(meta["latency_profile"])
-    follow = None
-    if cfg.follow is not None:
-        from controllers.learned_plan import LearnedPlan
-
-        follow = LearnedPlan(cfg.follow)
-        if follow.actions != actions:
-            raise UagError(
-                f"{cfg.follow} chooses among {len(follow.actions)} actions, this collection "
-                f"labels {len(actions)}: collect with its --max-lookahead"
-            )
+    prices = _open_collection(cfg, actions=actions, profile=profile)
+    shared = _Behaviour(
+        actions=actions,
+        prices=prices,
+        rate=cfg.rate_factor / prices.target_step_s,
+        explore=cfg.explore,
+        follow=_follow(cfg, actions=actions),
+    )
     temperature = None if cfg.sampling is None else cfg.sampling.temperature
     runs = [(p, temperature) for p in prompts]
     todo = [(p, t) for p, t in runs if not part_path(cfg.out, _run_key(p.id, t)).exists()]
@@ -332,59 +292,155 @@ def collect_plan(
         seed = cfg.seed + int(
             hashlib.sha1(_run_key(p.id, temperature).encode()).hexdigest()[:8], 16
         )
-        common: dict[str, Any] = {
-            "explore": cfg.explore,
-            "seed": seed,
-            "follow": follow,
-            "actions": actions,
-            "profile": prices,
-            "rate": cfg.rate_factor / prices.target_step_s,
-        }
-        if temperature is None:
-            trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
-            behaviour = ExploringOracle(trace=trace, eos=pair.target.eos_ids, **common)
-            out = dryrun.replay_loop(
-                pair, trace, behaviour, prompt_assistant_ids=assistant_ids, lookup=copy_lookup()
-            )
-            if tuple(out.ids) != tuple(trace.ids):
-                raise RuntimeError(f"{p.id}: the behaviour's output left the recorded one")
-        else:
-            assert cfg.sampling is not None
-            sampling = replace(cfg.sampling, seed=seed)
-            behaviour = ExploringOracle(
-                labeller=SamplingLabeller(actions=actions, sampling=sampling), **common
-            )
-            speculate(
-                target=pair.target_lm,
-                assistant=pair.assistant_lm,
-                bridge=pair.bridge,
-                target_eos=pair.target.eos_ids,
-                assistant_eos=pair.assistant.eos_ids,
-                prompt_target_ids=target_ids,
-                prompt_assistant_ids=assistant_ids,
-                policy=behaviour,
-                max_new_tokens=cfg.max_new_tokens,
-                sampling=sampling,
-                intersection=pair.intersection(),
-                lookup=copy_lookup(),
-            )
-        labelled = behaviour.labeller.rounds
-        arrays: dict[str, Any] = {
-            "features": np.stack(behaviour.rows).astype(np.float32),
-            "taken": np.array([actions.index(a) for a in behaviour.taken], dtype=np.int16),
-            "propensity": np.array(behaviour.propensity, dtype=np.float32),
-            "prompt_id": np.array(p.id),
-            "prompt_text": np.array(p.text),
-        }
-        for column in OUTCOME_COLUMNS:
-            arrays[column] = np.array(
-                [[getattr(o, column) for o in r["outcomes"]] for r in labelled],
-                dtype=np.float32 if column == "emitted" else np.int16,
-            )
+        behaviour = _behave(
+            pair,
+            cfg,
+            shared=shared,
+            prompt=_EncodedPrompt(prompt=p, target_ids=target_ids, assistant_ids=assistant_ids),
+            seed=seed,
+            temperature=temperature,
+        )
+        arrays = _part_arrays(behaviour, actions=actions, prompt=p)
         _atomic_npz(part_path(cfg.out, _run_key(p.id, temperature)), arrays)
         written += 1
-        rounds += len(labelled)
+        rounds += len(behaviour.labeller.rounds)
     return written, rounds
+
+
+def _open_collection(
+    cfg: PlanCollectConfig, *, actions: ActionSet, profile: Callable[[], LatencyProfile]
+) -> LatencyProfile:
+    """The collection's meta written (``--resume`` and ``--overwrite`` checked against what
+    ``cfg.out`` holds) and the latency profile its rounds are priced with: a resumed run's own,
+    so every part of one collection shares its prices, else ``profile()`` measured now."""
+    sampling = cfg.sampling
+    meta: dict[str, Any] = {
+        "kind": "plan",
+        "actions": list(actions.names),
+        "feature_names": list(PLAN_FEATURE_NAMES),
+        "plan_schema_version": PLAN_SCHEMA_VERSION,
+        "settings": {
+            **cfg.settings,
+            "max_new_tokens": cfg.max_new_tokens,
+            **({} if sampling is None else {"top_p": sampling.top_p, "top_k": sampling.top_k}),
+        },
+        "decoding": "greedy" if sampling is None else "sampling",
+        "temperatures": [] if sampling is None else [sampling.temperature],
+        "explore": cfg.explore,
+        "behaviour": "oracle" if cfg.follow is None else str(cfg.follow),
+        "rate_factor": cfg.rate_factor,
+    }
+    _prepare(cfg, meta)
+    if "latency_profile" not in meta:
+        meta["latency_profile"] = profile().to_dict()
+        (cfg.out / META).write_text(json.dumps(meta, indent=1))
+    return LatencyProfile.from_dict(meta["latency_profile"])
+
+
+def _follow(cfg: PlanCollectConfig, *, actions: ActionSet) -> LearnedPlan | None:
+    """The plan controller ``cfg.follow`` names (None: the oracle behaves), checked to choose
+    among the actions this collection labels."""
+    if cfg.follow is None:
+        return None
+    from controllers.learned_plan import LearnedPlan
+
+    follow = LearnedPlan(cfg.follow)
+    if follow.actions != actions:
+        raise UagError(
+            f"{cfg.follow} chooses among {len(follow.actions)} actions, this collection "
+            f"labels {len(actions)}: collect with its --max-lookahead"
+        )
+    return follow
+
+
+@dataclass(frozen=True)
+class _Behaviour:
+    """What every run's behaviour (``ExploringOracle``) shares: the actions, their prices, the
+    oracle's Dinkelbach rate, the share of random rounds and the plan it follows (None: the
+    oracle's choice)."""
+
+    actions: ActionSet
+    prices: LatencyProfile
+    rate: float
+    explore: float
+    follow: LearnedPlan | None
+
+    def oracle(self, *, seed: int, **labels: Any) -> ExploringOracle:
+        """The behaviour of one run, its random rounds drawn from ``seed``; ``labels``: where
+        its labels come from (the recorded ``trace`` and ``eos``, or a ``labeller``)."""
+        return ExploringOracle(
+            explore=self.explore,
+            seed=seed,
+            follow=self.follow,
+            actions=self.actions,
+            profile=self.prices,
+            rate=self.rate,
+            **labels,
+        )
+
+
+@dataclass(frozen=True)
+class _EncodedPrompt:
+    """A prompt and its ids for each model (``encode``'s)."""
+
+    prompt: Prompt
+    target_ids: list[int]
+    assistant_ids: list[int]
+
+
+def _behave(
+    pair: Any,
+    cfg: PlanCollectConfig,
+    *,
+    shared: _Behaviour,
+    prompt: _EncodedPrompt,
+    seed: int,
+    temperature: float | None,
+) -> ExploringOracle:
+    """One run of the behaviour, every round start labelled. Greedy: against the target's
+    recorded run (exact replay: exact labels, and the output must stay the record's);
+    sampling: the loop itself, seeded, labelled by expectation (``SamplingLabeller``)."""
+    if temperature is None:
+        trace = dryrun.record_trace(pair, prompt.target_ids, cfg.max_new_tokens)
+        behaviour = shared.oracle(seed=seed, trace=trace, eos=pair.target.eos_ids)
+        out = dryrun.replay_loop(pair, trace, behaviour, prompt_assistant_ids=prompt.assistant_ids)
+        if tuple(out.ids) != tuple(trace.ids):
+            raise RuntimeError(f"{prompt.prompt.id}: the behaviour's output left the recorded one")
+        return behaviour
+    assert cfg.sampling is not None
+    sampling = replace(cfg.sampling, seed=seed)
+    labeller = SamplingLabeller(actions=shared.actions, sampling=sampling)
+    behaviour = shared.oracle(seed=seed, labeller=labeller)
+    api.speculate_on(
+        pair,
+        target_ids=prompt.target_ids,
+        assistant_ids=prompt.assistant_ids,
+        plan=behaviour,
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=sampling,
+    )
+    return behaviour
+
+
+def _part_arrays(
+    behaviour: ExploringOracle, *, actions: ActionSet, prompt: Prompt
+) -> dict[str, Any]:
+    """One run's part file: per round its features, the action taken and its propensity,
+    and every action's outcome (``OUTCOME_COLUMNS``, [rounds, actions])."""
+    labelled = behaviour.labeller.rounds
+    arrays: dict[str, Any] = {
+        "features": np.stack(behaviour.rows).astype(np.float32),
+        "taken": np.array([actions.index(a) for a in behaviour.taken], dtype=np.int16),
+        "propensity": np.array(behaviour.propensity, dtype=np.float32),
+        "prompt_id": np.array(prompt.id),
+        "prompt_text": np.array(prompt.text),
+    }
+    for column in OUTCOME_COLUMNS:
+        arrays[column] = np.array(
+            [[getattr(o, column) for o in r["outcomes"]] for r in labelled],
+            dtype=np.float32 if column == "emitted" else np.int16,
+        )
+    return arrays
 
 
 def _run_key(prompt_id: str, temperature: float | None) -> str:

@@ -34,9 +34,8 @@ def replay_figures(
     target alone, priced by the collection's profile, of prompt lookup alone and of the plan at
     each R of ``grid`` (``learned@R``), every round the real loop's. Greedy only."""
     from controllers.learned_plan import LearnedPlan
-    from controllers.rules import NoDraftPolicy
+    from controllers.plans import RulePlan
     from uag.api import encode_prompt, render_prompt
-    from uag.decoding.actions import copy_lookup
     from uag.harness import dryrun
 
     settings = data.meta.get("settings", {})
@@ -51,14 +50,14 @@ def replay_figures(
         recorded.append((dryrun.record_trace(pair, target_ids, tokens), assistant_ids))
     traces = [t for t, _ in recorded]
 
-    def speed(make: Any, lookup: Any) -> float:
+    def speed(make: Any) -> float:
         runs = [
-            dryrun.replay(pair, t, make(), prompt_assistant_ids=a, profile=profile, lookup=lookup())
+            dryrun.replay(pair, t, make(), prompt_assistant_ids=a, profile=profile)
             for t, a in recorded
         ]
         return dryrun.predicted_speedup(runs, traces, profile, timed_policy=False)
 
-    out = {"lookup": speed(NoDraftPolicy, PromptLookup)}
+    out = {"lookup": speed(lambda: RulePlan(None, lookup=PromptLookup()))}
     first = LearnedPlan(onnx)
     for factor in grid:
 
@@ -67,7 +66,7 @@ def replay_figures(
             plan.rate = factor / profile.target_step_s
             return plan
 
-        out[f"learned@{factor:g}"] = speed(make, copy_lookup)
+        out[f"learned@{factor:g}"] = speed(make)
     return out
 
 

