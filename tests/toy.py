@@ -9,6 +9,8 @@ sometimes, and both paths are exercised.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from uag.api import Pair, make_pair
@@ -21,12 +23,15 @@ _TEXT_A = ["def add(a, b):\n    return a + b\n", "the cat sat on the mat", "prin
 _TEXT_B = ["hello world, hello there", "for i in range(10):\n\tx += i", "café 😀 你好"] * 20
 
 
-def byte_bpe(corpus: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer (every byte is a token, plus merges learned from ``corpus``)."""
+def byte_bpe(corpus: list[str], vocab_size: int, *, normalizer: Any = None):
+    """A byte-level BPE tokenizer (every byte is a token, plus merges learned from ``corpus``);
+    ``normalizer`` (a ``tokenizers.normalizers`` object: Qwen2's is ``NFC()``) runs first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -57,6 +62,7 @@ def toy_pair(
     kernels: str = "auto",
     ascii_only: bool = True,
     attention: bool = False,
+    tokenizers: tuple[Any, Any] | None = None,
 ) -> Pair:
     """Tiny Gemma target ← the same network re-indexed to the assistant's vocabulary (+ noise).
 
@@ -69,8 +75,9 @@ def toy_pair(
     of one token, and the two agree less (where the tokenisations differ).
 
     ``ascii_only`` False keeps the tokens of multi-byte characters (whole or in pieces: 'é',
-    '😀' and '你好' split into byte tokens) in play, so samples can stop mid-character."""
-    target_tok, assistant_tok = toy_tokenizers()
+    '😀' and '你好' split into byte tokens) in play, so samples can stop mid-character.
+    ``tokenizers``: (target, assistant) instead of ``toy_tokenizers()``."""
+    target_tok, assistant_tok = tokenizers or toy_tokenizers()
     target = tiny_gemma(len(target_tok))
     table_t = token_bytes_table(target_tok, len(target_tok))
     with torch.no_grad():

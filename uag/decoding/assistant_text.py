@@ -109,7 +109,8 @@ class AssistantText:
         new = (self.lead + text)[len(self.data) :]
         tail = self.lm.ids[-self.lookbehind :]
         if not self.recode:  # the same ids as the target: its own split is the best context
-            self.append(self.side.continuation(tail=self.side.bytes_of(tail), new=new)[0])
+            ids, _ = self.side.continuation(tail=self.side.bytes_of(tail), new=new, exact=True)
+            self.append(ids)
             return b""
         self._feed(new)
         if not heal or not self.ends:

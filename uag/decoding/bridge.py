@@ -12,12 +12,28 @@ the re-encoding merges a token across that boundary (``hel`` + ``lo`` → ``hell
 cannot be kept, so the new text is encoded on its own instead. Special tokens are never added
 (no BOS mid-sequence), and only complete UTF-8 characters are ever encoded.
 
+A tokenizer that normalises text before splitting it (Qwen2's NFC, NFKC elsewhere) spells the
+*normalised* text: ``"cafe\u0301"`` encodes to the bytes of ``"café"``. The bridge reads the
+normaliser from the tokenizer (``Normaliser``) and takes it into account on each side:
+
+* the target's side (candidates) encodes drafted text the target's way, normalised: a candidate
+  is a guess the target verifies against its own ids, so losslessness never depends on it;
+* the assistant's side must spell the target's accepted text exactly (its byte offsets track
+  the target's), so text the normaliser would change goes in as the assistant's single-byte
+  tokens (``spell``) where its vocabulary has them.
+
+Only Unicode normal forms (and the space markers SentencePiece-style tokenizers write, which the
+byte table undoes) can be bridged this way; a normaliser that lowercases or strips text is
+refused with its name, because no encoding of the drafted text spells it.
+
 This module knows nothing of models.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +47,58 @@ LOOKBEHIND_TOKENS = 10
 """Tokens of context re-encoded with new text so token boundaries line up (Transformers uses 10)."""
 
 # A probe string covering what breaks bridges: code indentation, CRLF, tabs, runs of spaces,
-# digits, accents (precomposed and combining), emoji, CJK.
-_PROBE = "def f(x):\r\n\tif x:\n        return 12345678901234 + x  # café cafe\u0301 😀 你好世界 ÅΩ"
+# digits, accents (precomposed and combining), emoji, CJK, Hangul jamo, compatibility characters.
+_PROBE = (
+    "def f(x):\r\n\tif x:\n        return 12345678901234 + x  # café cafe\u0301 😀 你好世界 ÅΩ "
+    "\u1100\u1161\u11a8 한국어 \ufb01 \u2460 \uff21"
+)
+UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+SPACE_MARKERS = ("Replace", "Prepend")
+"""Normaliser steps that only write spaces as a marker (SentencePiece's ``▁``): the byte table
+turns the marker back into a space, which the probe checks."""
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """What a tokenizer does to text before it splits it, as far as the bridge needs: the Unicode
+    normal forms it applies, in order (none: it spells text as given)."""
+
+    forms: tuple[str, ...] = ()
+    others: tuple[str, ...] = ()
+    """Its other steps' types, besides space markers (``Lowercase``, ``Strip``...)."""
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Normaliser:
+        """Read from the tokenizer's ``tokenizers`` pipeline (a tokenizer without one is taken
+        to spell text as given; the probe in ``TokenText`` checks that)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        spec = json.loads(backend.to_str()).get("normalizer") if backend is not None else None
+        forms: list[str] = []
+        others: list[str] = []
+        for step in _steps(spec):
+            kind = str(step.get("type"))
+            if kind in UNICODE_FORMS:
+                forms.append(kind)
+            elif kind not in SPACE_MARKERS:
+                others.append(kind)
+        return cls(tuple(forms), tuple(others))
+
+    def __call__(self, text: str) -> str:
+        for form in self.forms:
+            text = unicodedata.normalize(form, text)  # type: ignore[arg-type]
+        return text
+
+    def __str__(self) -> str:
+        return "+".join((*self.forms, *self.others)) or "none"
+
+
+def _steps(spec: Any) -> list[dict[str, Any]]:
+    """A normaliser's steps, a ``Sequence`` flattened."""
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        return [step for inner in spec.get("normalizers", []) for step in _steps(inner)]
+    return [spec]
 
 
 def complete_utf8_prefix(data: bytes) -> int:
@@ -71,6 +137,8 @@ class TokenText:
 
     def __post_init__(self) -> None:
         self.table = token_bytes_table(self.tokenizer, self.vocab_size)
+        self.normalise = Normaliser.of(self.tokenizer)
+        self._byte_ids = _single_byte_ids(self.table)
         self._check()
 
     def fitting(self, text: bytes, *, below: int) -> np.ndarray:
@@ -98,8 +166,20 @@ class TokenText:
         """Ids of ``text`` with no BOS/EOS added (special-token strings still map to their ids)."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def continuation(self, *, tail: bytes, new: bytes) -> tuple[list[int], int]:
-        """Ids that continue a sequence ending in ``tail`` with the text ``new``.
+    def spell(self, text: bytes) -> list[int] | None:
+        """Ids spelling exactly ``text``, one single-byte token a byte (None: this vocabulary
+        lacks one of them). For text a normaliser would change."""
+        if self._byte_ids is None:
+            return None
+        ids = [self._byte_ids[b] for b in text]
+        return None if min(ids, default=0) < 0 else ids
+
+    def continuation(
+        self, *, tail: bytes, new: bytes, exact: bool = False
+    ) -> tuple[list[int], int]:
+        """Ids that continue a sequence ending in ``tail`` with the text ``new``, as this
+        tokenizer spells it (normalised: ``Normaliser``); ``exact``: spelling ``new`` byte for
+        byte, single-byte tokens standing in where the normaliser would change it.
 
         Returns ``(ids, consumed)``: only the longest complete-UTF-8 prefix of ``new`` is encoded
         (``consumed`` bytes of it); a trailing partial character waits for its other bytes.
@@ -107,23 +187,33 @@ class TokenText:
         consumed = complete_utf8_prefix(new)
         if consumed == 0:
             return [], 0
-        new_text = new[:consumed].decode("utf-8")
+        ids = self._after(tail=tail, new_text=new[:consumed].decode("utf-8"))
+        if exact and self.bytes_of(ids) != new[:consumed]:
+            ids = self.spell(new[:consumed]) or ids
+        return ids, consumed
+
+    def _after(self, *, tail: bytes, new_text: str) -> list[int]:
+        """``continuation``'s ids: the tail and the new text encoded together and cut at the
+        tail's end where the tokenization has a boundary there, else the new text alone."""
         tail = _skip_partial_head(tail)
         tail = tail[: complete_utf8_prefix(tail)]
         if tail:
-            ids = self.encode(tail.decode("utf-8") + new_text)
-            # Walk the encoded tokens' bytes to the exact end of the tail; a normaliser that adds
-            # a leading space shows up as extra bytes in front.
-            extra = len(self.bytes_of(ids)) - len(tail) - consumed
-            boundary = len(tail) + max(extra, 0)
-            offset = 0
-            for k, tok in enumerate(ids):
-                if offset == boundary:
-                    return ids[k:], consumed
-                if offset > boundary:
-                    break
-                offset += len(self.table[tok])
-        return self.encode(new_text), consumed
+            head = self.normalise(tail.decode("utf-8"))
+            whole = self.normalise(tail.decode("utf-8") + new_text)
+            if whole.startswith(head):  # else the new text recomposes the tail's last letter
+                ids = self.encode(whole)
+                # Walk the encoded tokens' bytes to the exact end of the tail; a normaliser
+                # that adds a leading space shows up as extra bytes in front.
+                extra = len(self.bytes_of(ids)) - len(whole.encode("utf-8"))
+                boundary = len(head.encode("utf-8")) + max(extra, 0)
+                offset = 0
+                for k, tok in enumerate(ids):
+                    if offset == boundary:
+                        return ids[k:]
+                    if offset > boundary:
+                        break
+                    offset += len(self.table[tok])
+        return self.encode(new_text)
 
     def resync(self, *, tail_ids: Sequence[int], new: bytes) -> tuple[int, list[int]]:
         """Continue ``tail_ids`` with the text ``new`` as this tokenizer encodes the whole:
@@ -165,19 +255,36 @@ class TokenText:
                 if best is not None:
                     k, kept = best
                     return len(tail_bytes) - kept, ids[k:]
-        ids, _ = self.continuation(tail=tail, new=new)
+        ids, _ = self.continuation(tail=tail, new=new, exact=True)
         return 0, ids
 
     def _check(self) -> None:
-        """Refuse tokenizers whose tokens' bytes do not concatenate back to the text."""
-        ids = self.encode(_PROBE)
-        got = self.bytes_of(ids)
-        if got != _PROBE.encode("utf-8") and got != b" " + _PROBE.encode("utf-8"):
-            name = getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)
+        """Refuse tokenizers whose tokens' bytes do not concatenate back to the text they
+        encode, normalised as their normaliser says (``Normaliser``)."""
+        expected = self.normalise(_PROBE).encode("utf-8")
+        got = self.bytes_of(self.encode(_PROBE))
+        if got in (expected, b" " + expected):
+            return
+        name = getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)
+        if self.normalise.others:
             raise UagError(
-                f"tokenizer {name!r} is not supported by the byte bridge (its tokens' bytes do "
-                "not concatenate back to the encoded text; it may normalise text)"
+                f"tokenizer {name!r} is not supported by the byte bridge: its normaliser "
+                f"({self.normalise}) changes text beyond Unicode normal forms, so no encoding "
+                "spells the text another tokenizer drafts"
             )
+        raise UagError(
+            f"tokenizer {name!r} is not supported by the byte bridge: its tokens' bytes do not "
+            f"concatenate back to the text it encodes (normaliser: {self.normalise})"
+        )
+
+
+def _single_byte_ids(table: list[bytes]) -> list[int] | None:
+    """Byte value → an id spelling that one byte (-1: none); None when no id spells one byte."""
+    ids = [-1] * 256
+    for i, piece in enumerate(table):
+        if len(piece) == 1 and ids[piece[0]] < 0:
+            ids[piece[0]] = i
+    return ids if max(ids) >= 0 else None
 
 
 @dataclass
