@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.toy import toy_pair
-from uag.api import encode_prompt, render_prompt
+from uag.api import encode_prompt, render_prompt, speculate_on
 from uag.decoding.actions import (
     ActionSet,
     Copy,
@@ -18,7 +18,7 @@ from uag.decoding.actions import (
 )
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan import ChoosingPlan, FunctionPlan, ScriptedPlan
-from uag.decoding.speculative import speculate, target_alone
+from uag.decoding.speculative import target_alone
 from uag.errors import UagError
 
 TOKENS = 24
@@ -73,14 +73,10 @@ def _run(pair, prompt: str, plan: ChoosingPlan, *, lookup: PromptLookup | None =
         prompt_ids=target_ids,
         max_new_tokens=TOKENS,
     )
-    out = speculate(
-        target=pair.target_lm,
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
+    out = speculate_on(
+        pair,
+        target_ids=target_ids,
+        assistant_ids=assistant_ids,
         plan=plan,
         max_new_tokens=TOKENS,
     )
@@ -127,18 +123,9 @@ def test_an_action_without_its_source_is_one_clean_error(pair):
     """A plan that copies where the run has no lookup, or names a source the run lacks, is
     refused with the plan's and the action's names."""
     target_ids, assistant_ids = encode_prompt(pair, "hello world")
-    common = dict(
-        target=pair.target_lm,
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
-        max_new_tokens=TOKENS,
-    )
+    common = dict(target_ids=target_ids, assistant_ids=assistant_ids, max_new_tokens=TOKENS)
     with pytest.raises(UagError, match="scripted chose copy:2, but this run has no lookup"):
-        speculate(plan=ScriptedPlan([Step(), Copy(length=2)]), **common)
+        speculate_on(pair, plan=ScriptedPlan([Step(), Copy(length=2)]), **common)
     plan = ScriptedPlan([Step(), Copy(length=2, source="suffix")], lookup=copy_lookup())
     with pytest.raises(UagError, match="copy:suffix:2, but this run has no suffix"):
-        speculate(plan=plan, **common)
+        speculate_on(pair, plan=plan, **common)

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from tests.toy import toy_pair
-from uag.api import encode_prompt, render_prompt
+from uag.api import encode_prompt, render_prompt, speculate_on
 from uag.decoding.actions import ActionSet, Copy, Draft, Step, copy_lookup
 from uag.decoding.plan import ScriptedPlan
-from uag.decoding.speculative import speculate
 from uag.harness import counterfactual, dryrun
 
 ACTIONS = ActionSet.standard(max_copy=3, max_draft=3)
@@ -74,14 +73,10 @@ def _forced(pair, ids, script, counted: _Counted, *, tokens: int):
     target_ids, assistant_ids = ids
     counted.rows.clear()
     counted.steps.clear()
-    return speculate(
-        target=pair.target_lm,
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
+    return speculate_on(
+        pair,
+        target_ids=target_ids,
+        assistant_ids=assistant_ids,
         plan=ScriptedPlan(script, lookup=copy_lookup()),
         max_new_tokens=tokens,
         on_tokens=counted.close_round,

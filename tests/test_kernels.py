@@ -984,18 +984,20 @@ def test_fuse_packs_the_joined_layer_and_its_parts_view_it(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
 @pytest.mark.parametrize("packed", ["0", "1"])
 def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(
-    tokenizers, packed, monkeypatch
+    tokenizers, packed, family, monkeypatch
 ):
-    """A target whose layers are GGUF-like blocks runs them on exact.c (where the CPU has
-    AVX-512 VNNI), in the int8 layout or packed: one position alone and among 1–9 give bitwise
-    the same logits, and greedy UAG at lookahead 6 is token-for-token target-alone on every
-    nasty prompt."""
+    """A target whose layers are GGUF-like blocks (Gemma 3's structure, or Qwen2's with q/k/v
+    biases) runs them on exact.c (where the CPU has AVX-512 VNNI), in the int8 layout or
+    packed: one position alone and among 1–9 give bitwise the same logits, and greedy UAG at
+    lookahead 6 is token-for-token target-alone on every nasty prompt."""
     from tests.tiny import gguf_like_pair
 
     monkeypatch.setenv("UAG_PACKED_BODY", packed)
-    pair = gguf_like_pair(tokenizers, kernels="native")
+    pair = gguf_like_pair(tokenizers, kernels="native", family=family)
+    assert pair.target_lm.lean is not None  # the lean body, not Transformers' forward
     if not pair.target_lm.lean.layers[0].qkv.lib.uag_x8_available():
         pytest.skip("exact.c's fast paths (AVX-512 VNNI) unavailable here")
     for layer in pair.target_lm.lean.layers:
@@ -1033,3 +1035,37 @@ def test_a_wrong_unpack_refuses_packing_but_leaves_the_default_paths(monkeypatch
             native.packed_body()
     finally:
         native._packing_unavailable.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
+def test_qwen2_lean_native_forward_is_transformers_forward(tokenizers, tied):
+    """Qwen2 on the lean body and the native kernels (its q/k/v biases carried by the fused
+    product) gives Transformers' own logits within float noise, for a head of its own (1.5B)
+    or tied to the embedding (0.5B): a body that dropped a bias, or rotated with another base,
+    is far off. The argmax agrees on every position."""
+    import copy
+
+    from tests.tiny import gguf_like, tiny_qwen2
+    from uag.api import make_pair
+    from uag.runtime.models import wrap_model
+    from uag.runtime.runner import CachedLM
+
+    gemma_tok, _ = tokenizers
+    model = gguf_like(tiny_qwen2(len(gemma_tok), tied=tied))
+    reference = CachedLM(copy.deepcopy(model), lean=False)  # stock Transformers, fp32
+    pair = make_pair(
+        wrap_model(model, gemma_tok, ref="tiny-qwen2"),
+        wrap_model(copy.deepcopy(model), gemma_tok, ref="tiny-qwen2-copy"),
+        kernels="native",
+    )
+    assert pair.target_lm.lean is not None and pair.target_lm.row_invariant
+    ids = gemma_tok("def f(x):\n    return x * 2  # café 😀\n")["input_ids"] * 3
+    outs = []
+    for lm in (pair.target_lm, reference):
+        lm.reset(ids[:20], rollback=True)
+        lm.forward()
+        lm.ids.extend(ids[20:29])
+        outs.append(lm.logits(lm.forward()))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=2e-3)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -12,7 +12,7 @@ from controllers.plan import best_action, plan_choice, row_prices
 from tests.toy import toy_pair
 from training.export import export_onnx
 from training.plan import PlanData, PlanNet, copy_targets
-from uag.api import encode_prompt, render_prompt
+from uag.api import encode_prompt, render_prompt, speculate_on
 from uag.decoding.actions import ActionSet, Copy, Draft, Step
 from uag.decoding.drafters import Match
 from uag.decoding.lookup import PromptLookup
@@ -25,7 +25,7 @@ from uag.decoding.plan_features import (
 )
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import MAX_CANDIDATES
-from uag.decoding.speculative import speculate, target_alone
+from uag.decoding.speculative import target_alone
 from uag.errors import UagError
 
 ACTIONS = ActionSet.standard(max_copy=4, max_draft=2)
@@ -174,14 +174,10 @@ def toy():
 
 def _run(pair, prompt, plan, *, tokens=24):
     target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, prompt, chat=False))
-    return speculate(
-        target=pair.target_lm,
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
+    return speculate_on(
+        pair,
+        target_ids=target_ids,
+        assistant_ids=assistant_ids,
         plan=plan,
         max_new_tokens=tokens,
     )
@@ -268,18 +264,13 @@ def test_sampling_labels_are_the_accept_probabilities_of_the_copy(toy):
     plan = OraclePlan(actions=actions, profile=PROFILE, rate=50.0, labeller=labeller)
     prompt = "abc abc abc abc abc abc"
     target_ids, assistant_ids = encode_prompt(toy, render_prompt(toy, prompt, chat=False))
-    out = speculate(
-        target=toy.target_lm,
-        assistant=toy.assistant_lm,
-        bridge=toy.bridge,
-        target_eos=toy.target.eos_ids,
-        assistant_eos=toy.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
+    out = speculate_on(
+        toy,
+        target_ids=target_ids,
+        assistant_ids=assistant_ids,
         plan=plan,
         max_new_tokens=24,
         sampling=sampling,
-        intersection=toy.intersection(),
     )
     checked = 0
     fresh = toy.target_lm.twin()

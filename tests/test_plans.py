@@ -17,13 +17,13 @@ from controllers.plans import RulePlan, TargetOnlyPlan
 from controllers.rules import ConfidencePolicy, EntropyPolicy, HeuristicPolicy, StaticPolicy
 from controllers.spec import parse_policy
 from tests.toy import toy_pair
-from uag.api import encode_prompt, render_prompt
+from uag.api import encode_prompt, render_prompt, speculate_on
 from uag.decoding.actions import Action, Copy, Draft, Step, copy_lookup, parse_action
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan import FixedDrafts, FunctionPlan, Plan, ScriptedPlan, Sources
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import Session
-from uag.decoding.speculative import speculate, target_alone
+from uag.decoding.speculative import target_alone
 from uag.harness import dryrun
 from uag.harness.plan_collect import OraclePlan, default_actions
 
@@ -94,14 +94,10 @@ def _ids(pair, prompt: str) -> tuple[list[int], list[int]]:
 
 def _speculate(pair, prompt: str, plan: Plan):
     target_ids, assistant_ids = _ids(pair, prompt)
-    return speculate(
-        target=pair.target_lm,
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
+    return speculate_on(
+        pair,
+        target_ids=target_ids,
+        assistant_ids=assistant_ids,
         plan=plan,
         max_new_tokens=TOKENS,
     )

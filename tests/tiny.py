@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -131,7 +132,40 @@ def gguf_like_gemma(vocab: int, *, seed: int = 0):
     """``tiny_gemma`` whose layers' weights are as Gemma 3's GGUF de-quantises them: q/k/v and
     gate/up Q8_0-like, o and down Q4_K-like, so uag's native kernels hold them as exact blocks
     and its lean body moves them to ``exact.c``."""
-    model = tiny_gemma(vocab, seed=seed)
+    return gguf_like(tiny_gemma(vocab, seed=seed), seed=seed)
+
+
+def tiny_qwen2(vocab: int, *, seed: int = 2, tied: bool = False):
+    """A random Qwen2 decoder (Qwen2.5's structure: q/k/v with biases, GQA, rope base 1e6; the
+    head ``tied`` to the embedding as in the 0.5B, or its own as in the 1.5B)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    with torch.no_grad():  # biases as large as a trained model's, so a kernel that drops one fails
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                linear.bias.normal_(0.0, 0.5)
+    return model
+
+
+def gguf_like(model: Any, *, seed: int = 0) -> Any:
+    """``model`` with its layers' weights as a GGUF de-quantises them: q/k/v and gate/up
+    Q8_0-like, o and down Q4_K-like, so uag's native kernels hold them as exact blocks and its
+    lean body moves them to ``exact.c``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -145,12 +179,17 @@ def gguf_like_gemma(vocab: int, *, seed: int = 0):
     return model
 
 
-def gguf_like_pair(tokenizers, *, kernels: str = "auto") -> Pair:
-    """``gguf_like_gemma`` target ← a noisy copy of it (same tokenizer): many acceptances."""
+def gguf_like_pair(tokenizers, *, kernels: str = "auto", family: str = "gemma3") -> Pair:
+    """A GGUF-like target (``gguf_like_gemma``, or ``family`` ``qwen2``: ``tiny_qwen2``'s
+    layers as ``gguf_like``) ← a noisy copy of it (same tokenizer): many acceptances."""
     gemma_tok, _ = tokenizers
-    model = gguf_like_gemma(len(gemma_tok))
-    target = wrap_model(model, gemma_tok, ref="tiny-gemma-gguf")
-    assistant = wrap_model(noisy_copy(model, scale=0.05), gemma_tok, ref="tiny-gemma-gguf-noisy")
+    if family == "qwen2":
+        model = gguf_like(tiny_qwen2(len(gemma_tok)))
+    else:
+        model = gguf_like_gemma(len(gemma_tok))
+    target = wrap_model(model, gemma_tok, ref=f"tiny-{family}-gguf")
+    noisy = noisy_copy(model, scale=0.05)
+    assistant = wrap_model(noisy, gemma_tok, ref=f"tiny-{family}-gguf-noisy")
     return make_pair(target, assistant, kernels=kernels)
 
 

@@ -499,6 +499,8 @@ def _plan_request(args: argparse.Namespace) -> PlanRequest:
     if spec.kind in ("transformers", "oracle"):
         raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
     if spec.kind != "learned":
+        if spec.is_rule:  # a flag the rule does not take fails now, not after the models load
+            spec.plan(lookahead=args.lookahead, threshold=args.threshold)
         return PlanRequest(spec=spec)
     path = args.controller or recipes.shipped_controller(sampling=args.sample)
     use_cuda = resolve_device(args.device).type == "cuda"

