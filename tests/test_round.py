@@ -57,8 +57,8 @@ class _ScriptedDrafter:
         ids = self._propose(list(session.target.ids))[: max(session.room - 1, 0)]
         return Proposal(candidates=ids)
 
-    def settle(self, session, *, proposal, emitted, chosen, clock) -> int:
-        self.settled.append((len(emitted), chosen))
+    def settle(self, session, done, *, clock) -> int:
+        self.settled.append((len(done.emitted), done.chosen))
         return 0
 
 

@@ -25,7 +25,7 @@ from uag.decoding.bridge import Bridge, ends_on_char_boundary
 from uag.decoding.features import repeat_length
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.policy import DraftContext, DraftRule, DraftStep
-from uag.decoding.round import MAX_CANDIDATES, Proposal, Session
+from uag.decoding.round import MAX_CANDIDATES, Proposal, Session, Settled
 from uag.decoding.sampling import (
     Intersection,
     SamplingConfig,
@@ -104,18 +104,12 @@ class LookupDrafter:
         with clock("bridge"):
             return Proposal(candidates=self.match(session)[: self.cap], copied=True)
 
-    def settle(
-        self,
-        session: Session,
-        *,
-        proposal: Proposal,
-        emitted: list[int],
-        chosen: bool,
-        clock: Stopwatch,
-    ) -> int:
-        if chosen:
+    def settle(self, session: Session, done: Settled, *, clock: Stopwatch) -> int:
+        if done.chosen:
             with clock("policy"):
-                session.history.note_copy(candidates=len(proposal.candidates), emitted=len(emitted))
+                session.history.note_copy(
+                    candidates=len(done.proposal.candidates), emitted=len(done.emitted)
+                )
         return 0
 
 
@@ -360,24 +354,16 @@ class AssistantDrafter:
                     break
         return picks, steps, first_draft_s
 
-    def settle(
-        self,
-        session: Session,
-        *,
-        proposal: Proposal,
-        emitted: list[int],
-        chosen: bool,
-        clock: Stopwatch,
-    ) -> int:
+    def settle(self, session: Session, done: Settled, *, clock: Stopwatch) -> int:
         """Keep the drafted tokens whose text the target accepted (the rest are dropped, the
         cache rolled back); a round it drafted in tells its policy how that went."""
         text = self._text()
-        committed = self._committed if chosen else text.count
+        committed = self._committed if done.chosen else text.count
         with clock("bridge"):
             accepted = max(text.keep_prefix_of(session.text) - committed, 0)
-        drafted = proposal.drafted if chosen else 0
+        drafted = done.proposal.drafted if done.chosen else 0
         outcome = session.history.note_draft(drafted=drafted, accepted=accepted)
-        if chosen:
+        if done.chosen:
             with clock("policy"):
                 self.policy.update(outcome)
         return accepted

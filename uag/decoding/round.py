@@ -121,6 +121,18 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class Settled:
+    """What every drafter is told once a round is committed."""
+
+    proposal: Proposal
+    """What the round verified (whichever drafter proposed it)."""
+    emitted: list[int]
+    """The target tokens the round committed."""
+    chosen: bool
+    """This drafter proposed the round."""
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What the verifier decided over one verify's rows (before EOS and length cuts)."""
 
@@ -228,17 +240,9 @@ class Drafter(Protocol):
 
     def propose(self, session: Session, *, clock: Stopwatch) -> Proposal: ...
 
-    def settle(
-        self,
-        session: Session,
-        *,
-        proposal: Proposal,
-        emitted: list[int],
-        chosen: bool,
-        clock: Stopwatch,
-    ) -> int:
-        """``emitted`` were committed (their text is in ``session.text``); return how many of
-        this drafter's own drafted tokens the target accepted."""
+    def settle(self, session: Session, done: Settled, *, clock: Stopwatch) -> int:
+        """``done.emitted`` were committed (their text is in ``session.text``); return how
+        many of this drafter's own drafted tokens the target accepted."""
 
 
 class DrafterChoice(Protocol):
@@ -386,9 +390,7 @@ def settle(
     """Every drafter learns what the target accepted, whether it proposed or not; return the
     drafted tokens accepted."""
     return sum(
-        drafter.settle(
-            session, proposal=proposal, emitted=emitted, chosen=drafter is chosen, clock=clock
-        )
+        drafter.settle(session, Settled(proposal, emitted, drafter is chosen), clock=clock)
         for drafter in choice.drafters
     )
 
