@@ -128,6 +128,7 @@ def test_seed_must_be_an_integer(capsys):
     assert "--seed must be an integer" in one_clean_line(capsys)
 
 
+@pytest.mark.slow  # 10 s; seeded sampling is reproducible in tests/test_sampling.py
 def test_seeded_sampling_is_reproducible_from_the_cli(tiny_dirs, capsys):
     target_dir, assistant_dir = tiny_dirs
     argv = ["generate", "--target", str(target_dir), "--assistant", str(assistant_dir)]

@@ -164,6 +164,7 @@ def test_collector_features_equal_runtime_features(tiny_dirs, tmp_path):
     np.testing.assert_array_equal(collected, runtime)
 
 
+@pytest.mark.slow  # 49 s; resume and its refusals stay in CI (test_resume_refuses_...)
 def test_torchrun_kill_9_then_resume(tiny_dirs, tmp_path):
     """Two CPU ranks under torchrun shard the prompts by RANK/WORLD_SIZE into one directory;
     killed with SIGKILL mid-run (the launcher and every worker, as a dying node would be) and started

@@ -5,12 +5,15 @@ from __future__ import annotations
 import copy
 import re
 
+import pytest
 import torch
 
 from scripts import floor
 from tests.tiny import cross_pair, gguf_like_gemma, noisy_copy, q8_0_like
 from uag.api import make_pair
 from uag.runtime.models import wrap_model
+
+pytestmark = pytest.mark.slow  # scripts/floor.py and screen_width: one-off measurement tools
 
 
 def test_each_storage_is_counted_once():

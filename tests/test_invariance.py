@@ -135,6 +135,7 @@ def _as_before(pair, monkeypatch, *, trusted: bool) -> None:
     monkeypatch.setattr(verifiers, "tie_bound", lambda logits: verifiers.TIE_BOUND)
 
 
+@pytest.mark.slow  # 15 s; the real pair in bf16 on the plain path stays in CI
 def test_bf16_plain_path_with_gpu_like_rounding(tokenizers, monkeypatch):
     pair = _pair(tokenizers, dtype=torch.bfloat16, kernels="plain", width=64, split_k=True)
     lm = pair.target_lm
@@ -150,6 +151,7 @@ def test_bf16_plain_path_with_gpu_like_rounding(tokenizers, monkeypatch):
     assert any(alone != spec for alone, spec in before), "no near-tie flipped: the test is blunt"
 
 
+@pytest.mark.slow  # 12 s; a oneDNN fallback edge
 @pytest.mark.skipif(not fast_kernels_available(), reason="oneDNN is not in this torch build")
 def test_onednn_with_a_width_not_a_multiple_of_32(tokenizers, monkeypatch):
     pair = _pair(tokenizers, dtype=torch.float32, kernels="onednn", width=72, split_k=False)

@@ -1038,7 +1038,9 @@ def test_a_wrong_unpack_refuses_packing_but_leaves_the_default_paths(monkeypatch
 
 
 @needs_native
-@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
+@pytest.mark.parametrize(
+    "tied", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["own-head", "tied-head"]
+)
 def test_qwen2_lean_native_forward_is_transformers_forward(tokenizers, tied):
     """Qwen2 on the lean body and the native kernels (its q/k/v biases carried by the fused
     product) gives Transformers' own logits within float noise, for a head of its own (1.5B)

@@ -147,6 +147,7 @@ def test_a_changed_checkpoint_or_a_damaged_file_is_built_again(q8_dirs, cache):
     assert _files(cache) == [new]
 
 
+@pytest.mark.slow  # 20 s; what is prepared is checked in CI
 def test_what_is_not_prepared(q8_dirs, tiny_dirs, cache, monkeypatch):
     """A head without a compact exact form (remembered, so later starts skip the attempt), a
     user's own directory, a hub id, and the switch: all load the usual way."""

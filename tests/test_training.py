@@ -338,6 +338,7 @@ def test_shared_order_batches_split_the_single_process_batches():
         SharedOrderBatches(100, batch_size=10, shuffle=True, seed=0, rank=0, world=8)
 
 
+@pytest.mark.slow  # 14 s: two processes; one-process training stays in CI
 def test_ddp_training_equals_one_process(tmp_path):
     """``--devices 2 --strategy ddp`` on CPU (gloo): one export, from the first process, whose
     thresholds and validation figures equal a single-process run's up to float noise."""
