@@ -431,26 +431,16 @@ def generate(
     _check_length(pair, target_ids, assistant_ids, max_new_tokens)
     stream = _Streamer(pair, on_text) if on_text else None
     started = time.perf_counter()
-    if plan is None:
-        out = target_alone(
-            target=pair.target_lm,
-            target_eos=pair.target.eos_ids,
-            prompt_ids=target_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            on_tokens=stream,
-        )
-    else:
-        out = speculate_on(
-            pair,
-            target_ids=target_ids,
-            assistant_ids=assistant_ids,
-            plan=plan,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            on_tokens=stream,
-            keep_steps=keep_steps,
-        )
+    out = speculate_on(
+        pair,
+        target_ids=target_ids,
+        assistant_ids=assistant_ids,
+        plan=plan,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        on_tokens=stream,
+        keep_steps=keep_steps,
+    )
     seconds = time.perf_counter() - started
     if stream:
         stream.flush()
@@ -470,18 +460,31 @@ def speculate_on(
     *,
     target_ids: list[int],
     assistant_ids: list[int],
-    plan: Plan,
+    plan: Plan | None,
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
     on_tokens: OnTokens | None = None,
     keep_steps: bool = False,
+    target: CachedLM | None = None,
 ) -> LoopOutput:
     """``speculate`` on ``pair`` (its cached models, bridge, stop tokens and, sampling, the
-    vocabularies' intersection) from a prompt already encoded for both models: the one place a
-    pair is taken apart for the loop, for ``generate`` and for runs whose plan reads every
-    round itself (``uag collect --plan``'s sampled runs label each round start)."""
+    vocabularies' intersection) from a prompt already encoded for both models, or with ``plan``
+    None the target alone: the one place a pair is taken apart for the loop, for ``generate``,
+    for runs whose plan reads every round itself (``uag collect --plan``'s sampled runs label
+    each round start) and for exact replay (``target``: a recorded target in the pair's
+    model's place)."""
+    target = target if target is not None else pair.target_lm
+    if plan is None:
+        return target_alone(
+            target=target,
+            target_eos=pair.target.eos_ids,
+            prompt_ids=target_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            on_tokens=on_tokens,
+        )
     return speculate(
-        target=pair.target_lm,
+        target=target,
         assistant=pair.assistant_lm,
         bridge=pair.bridge,
         target_eos=pair.target.eos_ids,

@@ -857,85 +857,44 @@ def _add_train_io_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_config_flags(
+    p: argparse.ArgumentParser, config: type, rows: tuple[tuple[str, Any, str], ...]
+) -> None:
+    """``_add_config_flag`` over a table of ``(flag, type or None, help)`` rows."""
+    for flag, kind, text in rows:
+        _add_config_flag(p, flag, config, help=text, **({"type": kind} if kind else {}))
+
+
 def _add_train_fit_args(p: argparse.ArgumentParser) -> None:
     """The model and its fit: size, seed, held-out share, batches and learning rate."""
-    _add_config_flag(
-        p,
-        "--max-epochs",
-        TrainConfig,
-        type=_positive_int,
-        help="training epochs (default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--hidden",
-        TrainConfig,
-        type=_hidden,
-        help="MLP hidden widths, comma-separated (default: 32,32)",
-    )
-    _add_config_flag(
-        p,
-        "--seed",
-        TrainConfig,
-        type=_integer("--seed", low=0, high=2**32 - 1),
-        help="seed for the prompt split and training (default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--report-fraction",
-        TrainConfig,
-        type=_finite("--report-fraction"),
-        help="share of the prompts held out from training and from choosing thresholds and "
-        "kappa, on which the summary and the ONNX metadata report AUC and simulated speed-ups "
-        "(0: none, and those figures are the validation prompts', where the choices were made) "
-        "(default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--batch-size",
-        TrainConfig,
-        type=_positive_int,
-        help="rows per training batch (default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--lr",
-        TrainConfig,
-        type=_finite("--lr"),
-        help="AdamW learning rate (default: %(default)s)",
-    )
+    _add_config_flags(p, TrainConfig, (
+        ("--max-epochs", _positive_int, "training epochs (default: %(default)s)"),
+        ("--hidden", _hidden, "MLP hidden widths, comma-separated (default: 32,32)"),
+        ("--seed", _integer("--seed", low=0, high=2**32 - 1),
+         "seed for the prompt split and training (default: %(default)s)"),
+        ("--report-fraction", _finite("--report-fraction"),
+         "share of the prompts held out from training and from choosing thresholds and "
+         "kappa, on which the summary and the ONNX metadata report AUC and simulated speed-ups "
+         "(0: none, and those figures are the validation prompts', where the choices were made) "
+         "(default: %(default)s)"),
+        ("--batch-size", _positive_int, "rows per training batch (default: %(default)s)"),
+        ("--lr", _finite("--lr"), "AdamW learning rate (default: %(default)s)"),
+    ))  # fmt: skip
 
 
 def _add_train_lightning_args(p: argparse.ArgumentParser) -> None:
     """Where Lightning trains: passed through to its ``Trainer`` as given."""
-    _add_config_flag(
-        p,
-        "--accelerator",
-        TrainConfig,
-        help="Lightning accelerator: auto, cpu, gpu (default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--devices",
-        TrainConfig,
-        help="Lightning devices, e.g. 1, 4 or auto (default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--strategy",
-        TrainConfig,
-        help="Lightning strategy, e.g. ddp for several processes (GPUs, or CPU processes over "
-        "gloo with --accelerator cpu --devices N): each takes a share of every batch, so the "
-        "controller equals a one-process run's up to float noise; the first process exports "
-        "(default: %(default)s)",
-    )
-    _add_config_flag(
-        p,
-        "--num-nodes",
-        TrainConfig,
-        type=_positive_int,
-        help="machines for multi-node training (default: %(default)s)",
-    )
+    _add_config_flags(p, TrainConfig, (
+        ("--accelerator", None, "Lightning accelerator: auto, cpu, gpu (default: %(default)s)"),
+        ("--devices", None, "Lightning devices, e.g. 1, 4 or auto (default: %(default)s)"),
+        ("--strategy", None,
+         "Lightning strategy, e.g. ddp for several processes (GPUs, or CPU processes over "
+         "gloo with --accelerator cpu --devices N): each takes a share of every batch, so the "
+         "controller equals a one-process run's up to float noise; the first process exports "
+         "(default: %(default)s)"),
+        ("--num-nodes", _positive_int,
+         "machines for multi-node training (default: %(default)s)"),
+    ))  # fmt: skip
 
 
 def _add_train_choice_args(p: argparse.ArgumentParser) -> None:
@@ -1128,38 +1087,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# One row per subcommand: its name, its --help line, how to add its flags, what to run.
 COMMANDS: dict[str, Command] = {
-    "generate": Command(
-        help="generate text with cross-tokenizer speculative decoding",
-        add_args=_add_generate_args,
-        run=run_generate,
-    ),
-    "collect": Command(
-        help="log draft confidences and acceptance outcomes into a Parquet dataset",
-        add_args=_add_collect_args,
-        run=run_collect,
-    ),
-    "train-controller": Command(
-        help="train the stop controller on collected data and export it to ONNX",
-        add_args=_add_train_args,
-        run=run_train,
-    ),
-    "bench": Command(
-        help="compare policies side by side on the same prompts (speed-ups, equality checked)",
-        add_args=_add_bench_args,
-        run=run_bench_cmd,
-    ),
-    "calibrate": Command(
-        help="choose prompt lookup's copy lengths for this machine by exact replay (~2 min)",
-        add_args=_add_calibrate_args,
-        run=run_calibrate,
-    ),
-    "models": Command(
-        help="list embedded models or convert them ahead of time",
-        add_args=_add_models_args,
-        run=run_models,
-    ),
-}
+    name: Command(help=text, add_args=add_args, run=run)
+    for name, text, add_args, run in (
+        ("generate", "generate text with cross-tokenizer speculative decoding",
+         _add_generate_args, run_generate),
+        ("collect", "log draft confidences and acceptance outcomes into a Parquet dataset",
+         _add_collect_args, run_collect),
+        ("train-controller", "train the stop controller on collected data and export it to ONNX",
+         _add_train_args, run_train),
+        ("bench", "compare policies side by side on the same prompts (speed-ups, equality checked)",
+         _add_bench_args, run_bench_cmd),
+        ("calibrate", "choose prompt lookup's copy lengths for this machine by exact replay (~2 min)",
+         _add_calibrate_args, run_calibrate),
+        ("models", "list embedded models or convert them ahead of time",
+         _add_models_args, run_models),
+    )
+}  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,10 +154,14 @@ class History:
     """The last round that drafted: a skipped round says nothing about agreement, and
     forgetting would lock a gate that skips once into skipping."""
     drafted_total: int = 0
+    """Candidates the assistant's drafts proposed, all rounds so far."""
     accepted_total: int = 0
+    """Of those, the ones the target accepted."""
     copies: int = 0
     copied: int = 0
     copy_emitted: int = 0
+    """Prompt lookup's rounds, the candidates they verified and the tokens they emitted
+    (``DraftContext``'s fields of those names)."""
 
     def context(
         self,

@@ -378,15 +378,11 @@ def collect_for_plan(cfg: CollectConfig, *, progress: bool = True) -> tuple[int,
         "kernels": pair.kernels,
         "chat": cfg.chat,
     }
+    same = ("out", "max_new_tokens", "explore", "sampling", "resume", "overwrite")
     plan_cfg = PlanCollectConfig(
-        out=cfg.out,
-        max_new_tokens=cfg.max_new_tokens,
-        explore=cfg.explore,
+        **{name: getattr(cfg, name) for name in same},  # the fields both configs name alike
         max_draft=cfg.max_lookahead,
         follow=cfg.controller,
-        sampling=cfg.sampling,
-        resume=cfg.resume,
-        overwrite=cfg.overwrite,
         settings=settings,
     )
     return collect_plan(

@@ -23,10 +23,10 @@ from typing import Any, cast
 
 import torch
 
+from uag.api import speculate_on
 from uag.decoding.plan import Plan
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import IterationRecord, LoopOutput, target_only_loop
-from uag.decoding.speculative import speculate
 from uag.runtime.runner import CachedLM
 
 
@@ -139,16 +139,13 @@ def replay_loop(
 ) -> LoopOutput:
     """The real loop (``speculate``, greedy) on the recorded prompt, its target answered from
     ``trace``: what ``replay`` prices and ``uag.harness.counterfactual`` labels from."""
-    return speculate(
-        target=cast(CachedLM, _KnownTarget(trace)),
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=trace.prompt_ids,
-        prompt_assistant_ids=prompt_assistant_ids,
+    return speculate_on(
+        pair,
+        target_ids=list(trace.prompt_ids),
+        assistant_ids=list(prompt_assistant_ids),
         plan=plan,
         max_new_tokens=len(trace.ids),
+        target=cast(CachedLM, _KnownTarget(trace)),
     )
 
 

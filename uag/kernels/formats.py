@@ -212,6 +212,23 @@ def _dequantize_exact(layer: Stored) -> torch.Tensor:
     return w[: layer.out_features, : layer.in_features]
 
 
+def _exact_fp32(
+    kernel: str, form: str, block: int, widen: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Spec:
+    """The row of an fp32 weight stored in an exact block form (``form``): ``kernel`` reads
+    the blocks of ``block`` inputs, ``widen`` turns a block's integers and parameters back into
+    the fp32 weights."""
+    return Spec(
+        kernel,
+        f"fp32 (as exact {form})",
+        "block_scales",
+        BLOCK_ROWS,
+        lambda layer: _dequantize_blocks(layer, block, widen),
+        block=block,
+        widen=widen,
+    )
+
+
 FORMATS: dict[Format, Spec] = {
     Format.FP32: Spec(
         "uag_linear_f32", "fp32", None, BLOCK_ROWS, _fp32_layout, widen=lambda q, p: q
@@ -219,24 +236,8 @@ FORMATS: dict[Format, Spec] = {
     Format.INT8: Spec(
         "uag_linear_i8", "int8 weight-only", "scales", BLOCK_ROWS, _dequantize_scaled
     ),
-    Format.BLOCK_INT8: Spec(
-        "uag_linear_b8",
-        "fp32 (as exact block int8)",
-        "block_scales",
-        BLOCK_ROWS,
-        lambda layer: _dequantize_blocks(layer, BLOCK_K, _widen_scale),
-        block=BLOCK_K,
-        widen=_widen_scale,
-    ),  # fmt: skip
-    Format.BLOCK_AFFINE: Spec(
-        "uag_linear_a8",
-        "fp32 (as exact block affine)",
-        "block_scales",
-        BLOCK_ROWS,
-        lambda layer: _dequantize_blocks(layer, AFFINE_K, _widen_affine),
-        block=AFFINE_K,
-        widen=_widen_affine,
-    ),  # fmt: skip
+    Format.BLOCK_INT8: _exact_fp32("uag_linear_b8", "block int8", BLOCK_K, _widen_scale),
+    Format.BLOCK_AFFINE: _exact_fp32("uag_linear_a8", "block affine", AFFINE_K, _widen_affine),
     Format.DYNAMIC_INT8: Spec(
         "uag_linear_q8", "int8 dynamic", "scales", BLOCK_ROWS, _dequantize_scaled
     ),

@@ -44,6 +44,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -444,18 +445,17 @@ def block_int8(
     matrix (``csrc/skinny.c``'s ``uag_block_int8``; torch ops took ~4 s on Gemma's head). (Equal, not bitwise: a −0.0 weight comes back +0.0, which no sum can tell apart,
     since every product chain starts from +0.)
     """
-    out, width = weight.shape
-    lib = lib if lib is not None else _library()[0]
-    if lib is None or width % BLOCK_K or weight.dtype != torch.float32:
-        return None
-    w = weight.contiguous()
-    q = torch.empty(out, width, dtype=torch.int8)
-    scales = torch.empty(out, width // BLOCK_K)
     mult = torch.tensor(BLOCK_MULTIPLIERS, dtype=torch.int32)
-    found = lib.uag_block_int8(
-        w.data_ptr(), out, width, mult.data_ptr(), len(mult), q.data_ptr(), scales.data_ptr()
+    return _exact_form(
+        weight,
+        lib,
+        block=BLOCK_K,
+        q_dtype=torch.int8,
+        per_block=(),
+        split=lambda lib, w, q, p: lib.uag_block_int8(
+            w.data_ptr(), *w.shape, mult.data_ptr(), len(mult), q.data_ptr(), p.data_ptr()
+        ),
     )
-    return (q, scales) if found else None
 
 
 def block_affine(
@@ -473,15 +473,38 @@ def block_affine(
     and the greatest common divisor of the distances from it as the scale, and one block that
     this pair does not reproduce rejects the matrix (``csrc/skinny.c``'s ``uag_block_affine``).
     """
+    return _exact_form(
+        weight,
+        lib,
+        block=AFFINE_K,
+        q_dtype=torch.uint8,
+        per_block=(2,),
+        split=lambda lib, w, q, p: lib.uag_block_affine(
+            w.data_ptr(), *w.shape, q.data_ptr(), p.data_ptr()
+        ),
+    )
+
+
+def _exact_form(
+    weight: torch.Tensor,
+    lib: ctypes.CDLL | None,
+    *,
+    block: int,
+    q_dtype: torch.dtype,
+    per_block: tuple[int, ...],
+    split: Callable[[ctypes.CDLL, torch.Tensor, torch.Tensor, torch.Tensor], int],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q [N, K] of q_dtype, p fp32 [N, K/block, *per_block])`` as ``split`` (one of
+    ``csrc/skinny.c``'s ``uag_block_*``) finds them, or None where the kernels are missing, the
+    weight is not fp32 with K a multiple of ``block``, or some block has no exact form."""
     out, width = weight.shape
     lib = lib if lib is not None else _library()[0]
-    if lib is None or width % AFFINE_K or weight.dtype != torch.float32:
+    if lib is None or width % block or weight.dtype != torch.float32:
         return None
     w = weight.contiguous()
-    q = torch.empty(out, width, dtype=torch.uint8)
-    params = torch.empty(out, width // AFFINE_K, 2)
-    found = lib.uag_block_affine(w.data_ptr(), out, width, q.data_ptr(), params.data_ptr())
-    return (q, params) if found else None
+    q = torch.empty(out, width, dtype=q_dtype)
+    params = torch.empty(out, width // block, *per_block)
+    return (q, params) if split(lib, w, q, params) else None
 
 
 Q4_LEVELS = 15

@@ -154,28 +154,16 @@ static VNNI void dispatch_vnni(const uint8_t *u, int64_t ldu, int mb, int64_t Kq
 }
 #endif
 
-static int vnni_state = -1; /* -1: not decided yet */
-
-/* 1 where the CPU has AVX-VNNI (and the tests have not turned it off), else 0; q4.c too. */
-int uag_use_vnni(void) {
-    if (vnni_state < 0) {
+/* AVX-VNNI: q8.c and q4.c. */
+static int detect_vnni(void) {
 #if HAVE_AVXVNNI
-        __builtin_cpu_init();
-        vnni_state = __builtin_cpu_supports("avxvnni") != 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avxvnni");
 #else
-        vnni_state = 0;
+    return 0;
 #endif
-    }
-    return vnni_state;
 }
-
-/* Tests: VNNI where the CPU has it (want 1) or the AVX2 paths (want 0), in q8.c and q4.c;
- * returns the path now in use (1: VNNI). Both give the same bits. */
-int64_t uag_set_vnni(int64_t want) {
-    vnni_state = -1;
-    vnni_state = want && uag_use_vnni();
-    return vnni_state;
-}
+UAG_CPU_PATH(, uag_use_vnni, uag_set_vnni, detect_vnni())
 
 /* AVX-512 VNNI where the CPU has it: two vectors of 8 outputs side by side in one register
  * (lanes 0-7: one vector's quad kq, lanes 8-15: the next vector's, from their own streams in
@@ -267,25 +255,13 @@ static AVX512VNNI void dispatch512(const uint8_t *u, int64_t ldu, int mb, int64_
     }
 }
 
-static int avx512_state = -1; /* -1: not decided yet */
-
-/* 1 where the CPU has AVX-512 VNNI (with F, BW, VL) and the tests left it on; q4.c too. */
-int uag_use_avx512vnni(void) {
-    if (avx512_state < 0) {
-        __builtin_cpu_init();
-        avx512_state = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512f");
-    }
-    return avx512_state;
+/* AVX-512 VNNI with F, BW, VL: q8.c and q4.c. */
+static int detect_avx512vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512f");
 }
-
-/* Tests: the AVX-512 VNNI paths where the CPU has them (want 1) or not (want 0); returns the
- * path now in use. Both give the same bits. */
-int64_t uag_set_avx512vnni(int64_t want) {
-    avx512_state = -1;
-    avx512_state = want && uag_use_avx512vnni();
-    return avx512_state;
-}
+UAG_CPU_PATH(, uag_use_avx512vnni, uag_set_avx512vnni, detect_avx512vnni())
 
 #define AMX_VECTORS 4 /* vectors of 8 outputs per tile of work: C tiles 0-3 */
 #define AMX_ROWS 16   /* rows of an A or C tile */
@@ -364,31 +340,18 @@ static AMX_ATTR void amx_tile(const uint8_t *u, int64_t ldu, int64_t Kq, const i
 static AMX_ATTR void amx_release(void) { _tile_release(); }
 #endif
 
-static int amx_state = -1; /* -1: not decided yet */
-
-/* 1 where the CPU has AMX-INT8, the kernel grants this process the tile state, and the tests
- * left it on. */
-int uag_use_amx(void) {
-    if (amx_state < 0) {
+/* AMX-INT8, where the kernel also grants this process the tile state. */
+static int detect_amx(void) {
 #if HAVE_AMX
-        unsigned a, b, c, d;
-        amx_state = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
-                    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                            18 /* XFEATURE_XTILEDATA */) == 0;
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                   18 /* XFEATURE_XTILEDATA */) == 0;
 #else
-        amx_state = 0;
+    return 0;
 #endif
-    }
-    return amx_state;
 }
-
-/* Tests: AMX where the CPU has it (want 1) or not (want 0); returns the path now in use. The
- * integers, so the floats, are the other paths'. */
-int64_t uag_set_amx(int64_t want) {
-    amx_state = -1;
-    amx_state = want && uag_use_amx();
-    return amx_state;
-}
+UAG_CPU_PATH(, uag_use_amx, uag_set_amx, detect_amx())
 
 static void dispatch(const uint8_t *u, int64_t ldu, int mb, int64_t Kq, const int8_t *w, int nv,
                      __m256i *state) {

@@ -1,6 +1,24 @@
-/* What q8.c and q4.c share about the instruction sets they may use. */
+/* What q8.c, q4.c and skinny.c share about the instruction sets they may use. */
 #ifndef UAG_SIMD_H
 #define UAG_SIMD_H
+
+#include <stdint.h>
+
+/* One optional CPU path (AVX-512, VNNI, AMX): `use()` is 1 where the CPU has it and the tests
+ * have not turned it off (`detect` runs on the first ask only, then the answer is kept);
+ * `set(want)` is the tests' switch (0: off; 1: on where the CPU has it), returning the path
+ * now in use. Every path gives the same bits as the others. */
+#define UAG_CPU_PATH(qualifier, use, set, detect)                                                \
+    static int use##_state = -1; /* -1: not decided yet */                                      \
+    qualifier int use(void) {                                                                    \
+        if (use##_state < 0) use##_state = (detect) != 0;                                        \
+        return use##_state;                                                                      \
+    }                                                                                            \
+    int64_t set(int64_t want) {                                                                  \
+        use##_state = -1;                                                                        \
+        use##_state = want && use();                                                             \
+        return use##_state;                                                                      \
+    }
 
 /* AVX-VNNI's intrinsics need GCC 11 or clang 12: older compilers build the other paths only. */
 #if !defined(UAG_NO_AVXVNNI) && \

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 #define LANES 8 /* outputs per vector; the weight is stored as [N/8][K][8] */
 #define BLOCK_K 32 /* inputs sharing one scale in the block-scaled int8 layout */
@@ -272,25 +273,13 @@ static AVX512 void dispatch512(const float *x, int64_t ldx, int mb, int64_t k0, 
     }
 }
 
-static int avx512_state = -1; /* -1: not decided yet */
-
-/* 1 where the CPU has AVX-512 (F, BW, DQ, VL) and the tests have not turned it off, else 0. */
-static int use_avx512(void) {
-    if (avx512_state < 0) {
-        __builtin_cpu_init();
-        avx512_state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    }
-    return avx512_state;
+/* AVX-512 with F, BW, DQ, VL (else AVX2). */
+static int detect_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
-
-/* Tests: the AVX-512 path where the CPU has it (want 1) or AVX2 only (want 0); returns the path
- * now in use (1: AVX-512). Both give the same bits. */
-int64_t uag_set_avx512(int64_t want) {
-    avx512_state = -1;
-    avx512_state = want && use_avx512();
-    return avx512_state;
-}
+UAG_CPU_PATH(static, use_avx512, uag_set_avx512, detect_avx512())
 
 #define GROUP 16 /* rows whose accumulators stay in one state buffer (16 x 8 vectors, 4 KB) */
 #define KC 128   /* inputs per chunk when a tile takes several passes */
@@ -397,65 +386,80 @@ static void drive(const float *x, int64_t ldx, int64_t M, int64_t K, const void 
     }
 }
 
-void uag_linear_f32(const float *x, int64_t ldx, int64_t M, int64_t K, const float *w,
-                    const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, UAG_FMT_FP32, scale, N, bias, y, ldy);
+/* The entry points, one per weight storage (uag.kernels.formats names each): the one driver on
+ * that storage. scale: per-output scales (int8), per-block scales (block int8: K a multiple of
+ * 32) or per-block (scale, base) pairs (block affine: K a multiple of 16), NULL for fp32. The
+ * block forms are bitwise uag_linear_f32 on the exact weight. */
+#define UAG_LINEAR(name, weight_t, format)                                                        \
+    void name(const float *x, int64_t ldx, int64_t M, int64_t K, const weight_t *w,              \
+              const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {         \
+        drive(x, ldx, M, K, w, format, scale, N, bias, y, ldy);                                  \
+    }
+UAG_LINEAR(uag_linear_f32, float, UAG_FMT_FP32)
+UAG_LINEAR(uag_linear_i8, int8_t, UAG_FMT_INT8)
+UAG_LINEAR(uag_linear_b8, int8_t, UAG_FMT_BLOCK_INT8)
+UAG_LINEAR(uag_linear_a8, uint8_t, UAG_FMT_BLOCK_AFFINE)
+
+/* One block's exact form: writes the block's integers (q) and parameters (p) and returns 1 when
+ * they reproduce every weight of x, else 0. */
+typedef int (*block_form)(const float *x, void *q, float *p, const void *ctx);
+
+/* `form` over every block of `block` weights of w[N, K] (row-major fp32, K a multiple of
+ * `block`), rows in parallel: block (n, b)'s integers at q + (n * K + b * block) * qbytes, its
+ * `np` parameters at p + (n * K / block + b) * np. Returns 1, or 0 when some block has no such
+ * form. */
+static int64_t every_block(const float *w, int64_t N, int64_t K, int64_t block, int64_t qbytes,
+                           int64_t np, block_form form, const void *ctx, void *q, float *p) {
+    const int64_t KB = K / block;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < KB && !bad; b++)
+            bad += !form(w + n * K + b * block, (char *)q + (n * K + b * block) * qbytes,
+                         p + (n * KB + b) * np, ctx);
+    return bad == 0;
 }
 
-void uag_linear_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *scale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, UAG_FMT_INT8, scale, N, bias, y, ldy);
-}
+typedef struct {
+    const int32_t *mult;
+    int64_t nm;
+} multipliers;
 
-/* Block-scaled int8 (k_blocks): K a multiple of 32; bitwise uag_linear_f32 on the exact weight. */
-void uag_linear_b8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *bscale, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, UAG_FMT_BLOCK_INT8, bscale, N, bias, y, ldy);
-}
-
-/* Block-affine uint8 (k_blocks): K a multiple of 16; bitwise uag_linear_f32 on the exact weight. */
-void uag_linear_a8(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *w,
-                   const float *params, int64_t N, const float *bias, float *y, int64_t ldy) {
-    drive(x, ldx, M, K, w, UAG_FMT_BLOCK_AFFINE, params, N, bias, y, ldy);
+/* Block int8: the scale is the block's largest |weight| over each of mult[0..nm) in turn, the
+ * first that reproduces the block wins (an all-zero block: scale 0). */
+static int int8_form(const float *x, void *qv, float *s, const void *ctx) {
+    const multipliers *m = ctx;
+    int8_t *qb = qv;
+    float top = 0.0f;
+    for (int i = 0; i < BLOCK_K; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+    if (top == 0.0f) {
+        *s = 0.0f;
+        for (int i = 0; i < BLOCK_K; i++) qb[i] = 0;
+        return 1;
+    }
+    for (int64_t j = 0; j < m->nm; j++) {
+        const float sc = top / (float)m->mult[j];
+        int ok = 1;
+        for (int i = 0; i < BLOCK_K && ok; i++) {
+            const float r = nearbyintf(x[i] / sc);
+            ok = fabsf(r) <= 127.0f && r * sc == x[i];
+            qb[i] = (int8_t)r;
+        }
+        if (ok) {
+            *s = sc;
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* Split w[N, K] (row-major fp32, K a multiple of 32) into q[N, K] int8 and s[N, K/32] with
- * q * s equal to every weight (see uag.kernels.native.block_int8): per block of 32, the scale is its
- * largest |weight| over each of mult[0..nm) in turn, the first that reproduces the block wins.
- * Returns 1, or 0 when some block has no such form. */
+ * q * s equal to every weight (see uag.kernels.native.block_int8), per block of 32 as int8_form
+ * finds it. Returns 1, or 0 when some block has no such form. */
 int64_t uag_block_int8(const float *w, int64_t N, int64_t K, const int32_t *mult, int64_t nm,
                        int8_t *q, float *s) {
-    const int64_t KB = K / BLOCK_K;
-    int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0; b < KB && !bad; b++) {
-            const float *x = w + n * K + b * BLOCK_K;
-            int8_t *qb = q + n * K + b * BLOCK_K;
-            float top = 0.0f;
-            for (int i = 0; i < BLOCK_K; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
-            int found = top == 0.0f;
-            if (found) {
-                s[n * KB + b] = 0.0f;
-                for (int i = 0; i < BLOCK_K; i++) qb[i] = 0;
-            }
-            for (int64_t m = 0; m < nm && !found; m++) {
-                const float sc = top / (float)mult[m];
-                int ok = 1;
-                for (int i = 0; i < BLOCK_K && ok; i++) {
-                    const float r = nearbyintf(x[i] / sc);
-                    ok = fabsf(r) <= 127.0f && r * sc == x[i];
-                    qb[i] = (int8_t)r;
-                }
-                if (ok) {
-                    s[n * KB + b] = sc;
-                    found = 1;
-                }
-            }
-            if (!found) bad++;
-        }
-    }
-    return bad == 0;
+    const multipliers m = {mult, nm};
+    return every_block(w, N, K, BLOCK_K, sizeof(int8_t), 1, int8_form, &m, q, s);
 }
 
 /* Greatest common divisor of two non-negative floats that are integer multiples of one step:
@@ -472,33 +476,30 @@ static float gcd_f(float a, float b) {
     return a;
 }
 
-/* Split w[N, K] (row-major fp32, K a multiple of 16) into q[N, K] uint8 and p[N, K/16][2] with
- * fl(fl(q * p[0]) + p[1]) equal to every weight (see uag.kernels.native.block_affine): per block of 16,
- * the base is its smallest weight and the scale the greatest common divisor of the weights'
- * distances from it; the block is taken when the integers are 0..255 and reproduce every weight.
- * Returns 1, or 0 when some block has no such form. */
-int64_t uag_block_affine(const float *w, int64_t N, int64_t K, uint8_t *q, float *p) {
-    const int64_t KB = K / ABLOCK_K;
-    int64_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(+ : bad)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t b = 0; b < KB && !bad; b++) {
-            const float *x = w + n * K + b * ABLOCK_K;
-            uint8_t *qb = q + n * K + b * ABLOCK_K;
-            float lo = x[0], sc = 0.0f;
-            for (int i = 1; i < ABLOCK_K; i++) lo = x[i] < lo ? x[i] : lo;
-            for (int i = 0; i < ABLOCK_K; i++) sc = gcd_f(x[i] - lo, sc);
-            int ok = isfinite(lo) && isfinite(sc);
-            for (int i = 0; i < ABLOCK_K && ok; i++) {
-                const float r = sc > 0.0f ? nearbyintf((x[i] - lo) / sc) : 0.0f;
-                ok = r <= 255.0f && r * sc + lo == x[i]; /* one value throughout: scale 0 */
-                qb[i] = (uint8_t)r;
-            }
-            p[(n * KB + b) * 2] = sc, p[(n * KB + b) * 2 + 1] = lo;
-            if (!ok) bad++;
-        }
+/* Block affine: the base is the block's smallest weight and the scale the greatest common
+ * divisor of the weights' distances from it; taken when the integers are 0..255 and
+ * reproduce every weight. */
+static int affine_form(const float *x, void *qv, float *p, const void *ctx) {
+    (void)ctx;
+    uint8_t *qb = qv;
+    float lo = x[0], sc = 0.0f;
+    for (int i = 1; i < ABLOCK_K; i++) lo = x[i] < lo ? x[i] : lo;
+    for (int i = 0; i < ABLOCK_K; i++) sc = gcd_f(x[i] - lo, sc);
+    int ok = isfinite(lo) && isfinite(sc);
+    for (int i = 0; i < ABLOCK_K && ok; i++) {
+        const float r = sc > 0.0f ? nearbyintf((x[i] - lo) / sc) : 0.0f;
+        ok = r <= 255.0f && r * sc + lo == x[i]; /* one value throughout: scale 0 */
+        qb[i] = (uint8_t)r;
     }
-    return bad == 0;
+    p[0] = sc, p[1] = lo;
+    return ok;
+}
+
+/* Split w[N, K] (row-major fp32, K a multiple of 16) into q[N, K] uint8 and p[N, K/16][2] with
+ * fl(fl(q * p[0]) + p[1]) equal to every weight (see uag.kernels.native.block_affine), per
+ * block of 16 as affine_form finds it. Returns 1, or 0 when some block has no such form. */
+int64_t uag_block_affine(const float *w, int64_t N, int64_t K, uint8_t *q, float *p) {
+    return every_block(w, N, K, ABLOCK_K, sizeof(uint8_t), 2, affine_form, NULL, q, p);
 }
 
 /* Weight (r, k) of a matrix in this file's layout, in fp32 exactly as the kernels widen it:
