@@ -40,11 +40,14 @@ demo: $(STAMP)
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir $(DEMO)"
 
 ## The test suite CI runs (real-pair tests included; `-m slow` ones excluded).
+# Two pytest workers (pytest-xdist), tests handed out one at a time as workers free up: one
+# process alone keeps 2 cores ~60 % busy (imports, subprocess start-ups, single-threaded Python).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check uag controllers training tests scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 ## Everything, slow real-model tests included.
 test-all: $(STAMP)

@@ -4,6 +4,7 @@ of uag, so every floor (the kernels' build included) can ask."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -31,3 +32,20 @@ def unwritable(path: Path, *, directory: bool) -> str | None:
                 return f"{path} cannot be created: {parent} is not writable"
             return None
     return None
+
+
+class locked:
+    """An exclusive ``flock`` on ``path`` for the ``with`` block (released when the process
+    dies, so a crash never leaves the cache locked): two processes that build the same cache entry
+    at once take turns, and the second finds the first one's work."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from uag.errors import UagError
-from uag.paths import cache_root
+from uag.paths import cache_root, locked
 from uag.runtime.parts import Parts, assemble
 from uag.runtime.tokcache import load_tokenizer
 
@@ -304,6 +304,14 @@ def convert_gguf(ref: str, *, log: Any = None) -> Path:
     out = converted_dir(ref)
     if (out / "config.json").exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with locked(out.with_name(out.name + ".lock")):  # a second process waits, then reuses it
+        if (out / "config.json").exists():
+            return out
+        return _convert(ref, out, log=log)
+
+
+def _convert(ref: str, out: Path, *, log: Any) -> Path:
     # Transformers takes seconds to import: only converting or loading a model pays.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

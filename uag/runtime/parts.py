@@ -16,7 +16,6 @@ pinned in ``Parts``:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import os
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from uag.errors import UagError
+from uag.paths import locked
 
 CHUNK = 8 << 20
 """Bytes read and hashed at a time while joining the parts."""
@@ -82,7 +82,7 @@ def assemble(
     if _complete(dest, parts):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.with_name(dest.name + ".lock")):
+    with locked(dest.with_name(dest.name + ".lock")):
         if _complete(dest, parts):  # another process assembled it while this one waited
             return dest
         paths, missing = parts.find()
@@ -161,19 +161,3 @@ def _complete(dest: Path, parts: Parts) -> bool:
     return said == [parts.sha256, str(stat.st_size), str(stat.st_mtime_ns)] and (
         stat.st_size == parts.size
     )
-
-
-class _locked:
-    """An exclusive ``flock`` on ``path`` for the ``with`` block (released when the process
-    dies, so a crash never leaves the cache locked)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
