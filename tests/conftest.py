@@ -6,6 +6,8 @@ load in the same run, or in later runs with the same cache, takes seconds.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -19,10 +21,12 @@ def tokenizers():
 
     from uag.runtime.models import convert_gguf
 
-    return tuple(
-        AutoTokenizer.from_pretrained(str(convert_gguf(name)))
-        for name in ("gemma-3-270m", "smollm2-135m")
-    )
+    names = ["gemma-3-270m", "smollm2-135m"]
+    # Under pytest-xdist, the second worker converts the other GGUF first: on an empty cache
+    # the two conversions then run side by side instead of one worker waiting on the other's.
+    for name in names[::-1] if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" else names:
+        convert_gguf(name)
+    return tuple(AutoTokenizer.from_pretrained(str(convert_gguf(name))) for name in names)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ later starts load it the usual way at once. A file inside ``$UAG_CACHE`` is trus
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -31,6 +32,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from uag.kernels import hugepages
 from uag.kernels.choice import quantize_int8
 from uag.kernels.native import integer_products, packed_body
 from uag.kernels.screened import ScreenedHead
-from uag.paths import cache_root
+from uag.paths import cache_root, locked
 from uag.runtime.lean import LeanBody, lean_body_for
 from uag.runtime.models import LoadedModel, checkpoint_dir, declared_context, load_model
 from uag.runtime.runner import CachedLM, assistant_lm_for, streamed_slots, target_lm_for
@@ -137,10 +139,18 @@ def load(
     prepared = _read(path)  # first: its move into huge pages runs while the tokenizer loads
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     if prepared is None:
-        say = log or (lambda msg: print(msg, file=sys.stderr))
-        say(f"uag: preparing {ref} as {role} for the native kernels (once per model and uag build)")
-        prepared = _build(ref, role, tokenizer)
-        _write(path, prepared)
+        with _turn(path.with_name(f".uag-prepared-{role}.lock")):  # two processes: one builds
+            prepared = _read(path)
+            if prepared is None and path.with_suffix(".none").is_file():
+                return None
+            if prepared is None:
+                say = log or (lambda msg: print(msg, file=sys.stderr))
+                say(
+                    f"uag: preparing {ref} as {role} for the native kernels "
+                    "(once per model and uag build)"
+                )
+                prepared = _build(ref, role, tokenizer)
+                _write(path, prepared)
         if prepared is None:
             return None
     loaded = LoadedModel(
@@ -153,6 +163,23 @@ def load(
         context=declared_context(json.loads((directory / "config.json").read_text())),
     )
     return loaded, prepared
+
+
+@contextlib.contextmanager
+def _turn(lock: Path) -> Iterator[None]:
+    """``uag.paths.locked`` on ``lock``: a second process preparing the same model waits, then
+    reads the first one's file (torchrun ranks, parallel test workers) instead of building it
+    again; a read-only cache, where no lock can be made, builds without one."""
+    try:
+        held = locked(lock)
+        held.__enter__()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        held.__exit__(None, None, None)
 
 
 def prepared_roles(directory: Path) -> list[str]:
