@@ -205,7 +205,7 @@ def test_pair_caches_the_assistant_in_half_floats_and_the_target_in_floats(cross
     assert cross.assistant_lm.lean.prompts_native
     assert cross.target_lm.lean is not None
     assert cross.target_lm.cache.keys[0].dtype == torch.float32
-    assert not cross.target_lm.lean.prompts_native  # the target's prompts keep the torch path
+    assert cross.target_lm.lean.prompts_native  # both models' prompts run on layer.c
 
 
 @pytest.mark.parametrize("which", ["similar", "cross"])
@@ -276,11 +276,11 @@ def test_native_layers_follow_their_cache_across_growth_and_twins(tokenizers):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_assistant_prompts_on_the_native_layers_match_its_decode_steps(tokenizers, family):
+def test_prompts_on_the_native_layers_match_the_decode_steps(tokenizers, family):
     """``LeanBody.native_prompts``: a 70-token prompt runs on ``layer.c`` in pieces (here of 24
     rows) and every row's hidden state and cached key is bitwise what feeding the tokens one per
-    forward gives, so the assistant's prompt and its drafts come from one computation; the torch
-    path (what the target keeps for prompts) rounds differently."""
+    forward gives, so a prompt and the steps after it come from one computation (and a prefix's
+    states can be kept for the next request); the torch path rounds differently."""
     vocab = len(tokenizers[0])
     model = tiny_gemma(vocab, sliding_window=8) if family == "gemma" else tiny_llama(vocab)
     kernels.swap_linears(model, "native", head=True)

@@ -68,6 +68,16 @@ class Pair:
             self._recipes[sampling] = recipes.default_plan(self, sampling=sampling)
         return self._recipes[sampling]
 
+    def keep_prefixes(self) -> list[str]:
+        """Each model keeps the states of the longest prefix a new prompt shares with the
+        sequence before (``CachedLM.keep_prefixes``: where that is exact); returns the roles
+        that do. For a server: a chat's next turn re-reads only its new messages."""
+        return [
+            role
+            for role, lm in (("target", self.target_lm), ("assistant", self.assistant_lm))
+            if lm.keep_prefixes()
+        ]
+
     def sampling(
         self,
         *,
@@ -322,10 +332,12 @@ def _pair(
     )
     for lm in (target_lm, assistant_lm):
         lm.move_to_huge_pages()
-    if assistant_lm.lean is not None:  # half-float keys and values, prompts on layer.c
+    if assistant_lm.lean is not None:  # half-float keys and values
         assistant_lm.lean.half_kv()
-        assistant_lm.lean.native_prompts()
-        assistant_lm.reset([], rollback=False)
+    for lm in (target_lm, assistant_lm):
+        if lm.lean is not None:  # prompts on layer.c too: every row computed on its own
+            lm.lean.native_prompts()
+            lm.reset([], rollback=False)
     assistant_lm.set_draft_vocab(draft_vocab)
     return Pair(target, assistant, bridge, target_lm, assistant_lm, assistant_int8, kernels)
 
@@ -334,19 +346,21 @@ def render_prompt(pair: Pair, prompt: str, *, chat: bool) -> str:
     """The prompt text both models see: raw, or wrapped in the target's chat template."""
     if not chat:
         return prompt
+    return render_chat(pair, [{"role": "user", "content": prompt}], flag="--chat: ")
+
+
+def render_chat(pair: Pair, messages: list[dict[str, str]], *, flag: str = "") -> str:
+    """A conversation (``role`` / ``content`` messages) as the text the target's own chat
+    template makes of it, ready for the assistant's turn; ``flag`` starts each error."""
     tok = pair.target.tokenizer
     if not getattr(tok, "chat_template", None):
-        raise UagError(f"--chat: target {pair.target.ref!r} has no chat template")
+        raise UagError(f"{flag}target {pair.target.ref!r} has no chat template")
     try:
-        rendered = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # jinja2's TemplateError, Transformers' ValueError...: the model's template, not uag's code.
     except Exception as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise UagError(
-            f"--chat: target {pair.target.ref!r}'s chat template fails: {first}"
-        ) from exc
+        raise UagError(f"{flag}target {pair.target.ref!r}'s chat template fails: {first}") from exc
     if not str(rendered).strip():
         raise UagError("prompt is empty after the target's chat template")
     return str(rendered)
@@ -409,7 +423,7 @@ def generate(
     plan: Plan | None | str = "default",
     max_new_tokens: int = 128,
     chat: bool = False,
-    on_text: Callable[[str], None] | None = None,
+    on_text: Callable[[str], bool | None] | None = None,
     keep_steps: bool = False,
     sampling: SamplingConfig | None = None,
 ) -> GenerationResult:
@@ -418,7 +432,9 @@ def generate(
     generate`` runs); ``None`` runs the target alone (the reference: the same output when
     greedy, the same distribution when sampling).
 
-    ``on_text`` receives decoded text as it is accepted (whole characters only).
+    ``on_text`` receives decoded text as it is accepted (whole characters only); returning
+    True halts the run after that round (``stop_reason`` "halted": a stop string, a client
+    that left), the text so far still the target's own.
     """
     text_prompt = render_prompt(pair, check_prompt(prompt), chat=chat)
     if max_new_tokens < 1:
@@ -503,7 +519,7 @@ def speculate_on(
 class _Streamer:
     """Turns emitted target ids into text callbacks, holding back partial UTF-8 characters."""
 
-    def __init__(self, pair: Pair, on_text: Callable[[str], None]) -> None:
+    def __init__(self, pair: Pair, on_text: Callable[[str], bool | None]) -> None:
         self.table = pair.bridge.target.table
         tok = pair.target.tokenizer
         # The same tokens decode(skip_special_tokens=True) drops: every added token marked special.
@@ -513,11 +529,10 @@ class _Streamer:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.on_text = on_text
 
-    def __call__(self, ids: list[int]) -> None:
+    def __call__(self, ids: list[int]) -> bool | None:
         data = b"".join(self.table[i] for i in ids if i not in self.skip)
         piece = self.decoder.decode(data)
-        if piece:
-            self.on_text(piece)
+        return self.on_text(piece) if piece else None
 
     def flush(self) -> None:
         piece = self.decoder.decode(b"", final=True)

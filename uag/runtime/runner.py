@@ -172,6 +172,11 @@ class CachedLM:
         keep states past the window until the next crop; without it, rolling back after ~512
         tokens fails. Plain decoding leaves it off so those layers stay bounded.
         """
+        keep = self._kept_prefix(ids)
+        if keep:
+            self.truncate(keep)
+            self.ids = list(ids)
+            return
         self.ids = list(ids)
         self.cached = 0
         if self.lean is not None:
@@ -183,6 +188,29 @@ class CachedLM:
         self.cache = DynamicCache(config=self.model.config)
         if rollback:
             self.cache.activate_past_recording()
+
+    def keep_prefixes(self) -> bool:
+        """From now on ``reset`` keeps the cached states of the longest prefix the new ids share
+        with the sequence before (a multi-turn chat does not re-read its history); returns
+        whether this model can. Exact by construction only where every row is computed on its
+        own, whatever rows share its forward: a lean body whose forwards of any length run on
+        the native layers (``LeanBody.prompts_native``); anywhere else the states a prefix got
+        inside a longer forward may round differently from a fresh prefill's."""
+        self.keeps_prefix = self.lean is not None and self.lean.prompts_native
+        return self.keeps_prefix
+
+    keeps_prefix = False
+
+    def _kept_prefix(self, ids: Sequence[int]) -> int:
+        """Positions of ``ids`` whose cached states ``reset`` may keep (0: start afresh). The
+        last id is always fed again: its forward gives the hidden state the next token needs."""
+        if not self.keeps_prefix or self.cache is None or not self.cached:
+            return 0
+        limit = min(self.cached, len(ids) - 1)
+        same = 0
+        while same < limit and self.ids[same] == ids[same]:
+            same += 1
+        return same
 
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
