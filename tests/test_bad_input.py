@@ -31,6 +31,7 @@ BASE = {
         "{out}/tb",
     ],
     "models": ["models"],
+    "serve": ["serve", *TINY, "--port", "0"],
 }
 """Each command with what it needs to run; a case appends flags (argparse keeps the last)."""
 
@@ -178,6 +179,14 @@ CASES: list[tuple[str, list[str], str]] = [
     ("train-controller", ["--accelerator", "quantum"], "Lightning refuses --accelerator quantum"),
     ("train-controller", ["--devices", "many"], "Lightning refuses"),
     ("train-controller", ["--strategy", "nope"], "Lightning refuses"),
+    # serve: flags, then the models (after the port is taken, before any request)
+    ("serve", ["--port", "70000"], "--port must be at most 65535"),
+    ("serve", ["--port", "http"], "--port must be an integer"),
+    ("serve", ["--queue", "0"], "--queue"),
+    ("serve", ["--max-tokens", "-3"], "--max-tokens"),
+    ("serve", ["--policy", "sometimes"], "unknown policy"),
+    ("serve", ["--target", "{missing}.gguf"], "GGUF file not found"),
+    ("serve", ["--assistant", "no-such-model"], "unknown model reference"),
     # models
     ("models", ["prepare", "{missing}.gguf"], "GGUF file not found"),
     ("models", ["prepare", "{fake_gguf}"], "is not a GGUF file"),

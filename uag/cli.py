@@ -50,6 +50,7 @@ from uag.runtime import models, prepared
 from uag.runtime.draft_vocab import DEFAULT_DRAFT_VOCAB, GRANULE
 from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET, resolve_device
 from uag.runtime.prepared import ROLES as PREPARED_ROLES
+from uag.serve.config import ServeConfig
 
 Config = TypeVar("Config")
 
@@ -243,6 +244,22 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         default=128,
         help="target tokens to generate at most (default: %(default)s)",
     )
+    _add_plan_args(p)
+    p.add_argument(
+        "--compare-target-only",
+        action="store_true",
+        help="also run the target alone (each arm twice, alternating, fastest kept), check the outputs are token-identical and report the speed-up",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object as the last stdout line (no streaming)",
+    )
+    _add_sampling_args(p)
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    """Which plan runs: ``--policy``, ``--controller`` and the rules' two knobs."""
     p.add_argument(
         "--policy",
         metavar="SPEC",
@@ -279,17 +296,6 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="confidence: stop below this probability (0.4); entropy: stop above this many nats (1.5)",
     )
-    p.add_argument(
-        "--compare-target-only",
-        action="store_true",
-        help="also run the target alone (each arm twice, alternating, fastest kept), check the outputs are token-identical and report the speed-up",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object as the last stdout line (no streaming)",
-    )
-    _add_sampling_args(p)
 
 
 def _add_sampling_args(
@@ -1087,6 +1093,68 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    _add_plan_args(p)
+    p.set_defaults(sample=False)  # the plan for sampled requests is resolved beside the greedy one
+    p.add_argument(
+        "--no-prefix-reuse",
+        dest="prefix_reuse",
+        action="store_false",
+        help="start every request from an empty cache instead of keeping the states of the "
+        "longest prefix it shares with the request before (exact either way: kept only where "
+        "every row is computed on its own)",
+    )
+    _add_config_flags(p, ServeConfig, (
+        ("--host", None, "address to listen on (default: %(default)s; another than loopback "
+         "without --api-key prints a warning)"),
+        ("--port", _integer("--port", low=0, high=65535),
+         "port to listen on, 0 for any free one (default: %(default)s)"),
+        ("--api-key", None, "require 'Authorization: Bearer KEY' on every route but /health "
+         "(default: none)"),
+        ("--queue", _positive_int, "requests that may wait while one generates; more are "
+         "answered 429 (default: %(default)s)"),
+        ("--max-tokens", _positive_int, "the most tokens one request may ask for, and a chat "
+         "request's default (default: %(default)s)"),
+        ("--max-body", _positive_int, "request bodies over this many bytes are answered 413 "
+         "(default: %(default)s)"),
+    ))  # fmt: skip
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``uag serve``: the port taken first (a busy port fails in a second, not after the
+    models load), then the pair and its plans, then requests until SIGTERM or Ctrl-C."""
+    config = config_from_args(ServeConfig, args)
+    try:
+        from uag.serve.app import is_loopback, listen, run
+        from uag.serve.engine import Engine
+        from uag.serve.metrics import Metrics
+    except ImportError as err:
+        raise UagError(
+            f"uag serve needs FastAPI and uvicorn ({err.name} is missing): pip install 'uag[serve]'"
+        ) from None
+    if not is_loopback(config.host) and config.api_key is None:
+        print(
+            f"uag serve: warning: listening on {config.host} without --api-key: anyone who can "
+            "reach this port can use the models",
+            file=sys.stderr,
+        )
+    request = _plan_request(args)
+    adopted = settle_model_args(args, request.controller)
+    sock = listen(config.host, config.port)
+    pair = load_pair_of(args)
+    if adopted:
+        print(adopted, file=sys.stderr)
+    if args.prefix_reuse:
+        kept = pair.keep_prefixes()
+        print(
+            f"uag serve: prefix reuse for {' and '.join(kept) or 'neither model'}", file=sys.stderr
+        )
+    plans = {mode: request.resolve(pair, args, sampling=mode) for mode in (False, True)}
+    engine = Engine(pair=pair, plans=plans.__getitem__, queue_size=config.queue, metrics=Metrics())
+    return run(engine=engine, model_id=args.target, config=config, sock=sock)
+
+
 # One row per subcommand: its name, its --help line, how to add its flags, what to run.
 COMMANDS: dict[str, Command] = {
     name: Command(help=text, add_args=add_args, run=run)
@@ -1103,6 +1171,8 @@ COMMANDS: dict[str, Command] = {
          _add_calibrate_args, run_calibrate),
         ("models", "list embedded models or convert them ahead of time",
          _add_models_args, run_models),
+        ("serve", "serve the pair over an OpenAI-compatible HTTP API (completions and chat, "
+         "streaming)", _add_serve_args, run_serve),
     )
 }  # fmt: skip
 

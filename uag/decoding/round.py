@@ -40,10 +40,14 @@ from uag.decoding.stopwatch import Stopwatch
 from uag.kernels.choice import ROWWISE_MAX_ROWS
 from uag.runtime.runner import CachedLM
 
-StopReason = Literal["eos", "max_new_tokens"]
+StopReason = Literal["eos", "max_new_tokens", "halted"]
+"""Why a run ended: an end-of-sequence token, the budget, or ``on_tokens`` asked to halt (a
+stop string was reached, the client went away)."""
 MAX_CANDIDATES = ROWWISE_MAX_ROWS - 1
 """Candidates per verify, so a verify never leaves the row-count range kernels are checked on."""
-OnTokens = Callable[[list[int]], None]
+OnTokens = Callable[[list[int]], "bool | None"]
+"""Receives each round's emitted target ids; returning True halts the run after that round
+(what was emitted stays emitted: the output is still a prefix of the target's own)."""
 
 
 @dataclass(frozen=True)
@@ -309,8 +313,7 @@ def decode(*, session: Session, choice: DrafterChoice, on_tokens: OnTokens | Non
         proposal = propose(session, drafter, clock=clock)
         base, verdict = verify(session, proposal, clock=clock)
         emitted, in_cache, hit_eos = accept(session, verdict, base=base, room=room, clock=clock)
-        if on_tokens:
-            on_tokens(emitted)
+        halt = bool(on_tokens(emitted)) if on_tokens else False
         accepted = settle(session, choice, drafter, proposal=proposal, emitted=emitted, clock=clock)
         record(
             session,
@@ -322,8 +325,8 @@ def decode(*, session: Session, choice: DrafterChoice, on_tokens: OnTokens | Non
             action=action,
             clock=clock,
         )
-        if hit_eos:
-            reason = "eos"
+        if hit_eos or halt:
+            reason = "eos" if hit_eos else "halted"
             break
     return LoopOutput(
         ids=session.target.ids[session.start :],
@@ -455,10 +458,9 @@ def target_only_loop(
     while len(target.ids) - first < max_new_tokens:
         tok = next_token(target.forward()[-1:])
         target.ids.append(tok)
-        if on_tokens:
-            on_tokens([tok])
-        if tok in target_eos:
-            reason = "eos"
+        halt = bool(on_tokens([tok])) if on_tokens else False
+        if tok in target_eos or halt:
+            reason = "eos" if tok in target_eos else "halted"
             break
     return LoopOutput(
         ids=target.ids[first:],
