@@ -7,7 +7,7 @@ replies were the same text (greedy: they must be).
     python -m scripts.serve_bench --max-tokens 64 --out runs/serve-bench.json
 
 Arms (each its own server on 127.0.0.1): ``reuse`` (the default: prefix reuse on), ``fresh``
-(``--no-prefix-reuse``), ``target-only`` (``--policy target-only``, prefix reuse on). Every
+(``--prefix-cache 0``), ``target-only`` (``--policy target-only``, prefix reuse on). Every
 request loop is bounded (conversations x turns) and the servers are stopped at the end.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 ARMS = {
     "reuse": [],
-    "fresh": ["--no-prefix-reuse"],
+    "fresh": ["--prefix-cache", "0"],
     "target-only": ["--policy", "target-only"],
 }
 

@@ -4,6 +4,7 @@ real pair, and on the generated ids of a chat's next turn."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -21,14 +22,27 @@ NEXT = HISTORY + "User: now one that multiplies them — and 日本語 too\nAssi
 
 @pytest.fixture
 def reusing(real_pair) -> Iterator[uag.Pair]:
-    kept = real_pair.keep_prefixes()
+    kept = real_pair.keep_prefixes(positions=4096)
     assert kept == ["target", "assistant"], kept  # both run every row on its own
     try:
         yield real_pair
     finally:
         for lm in (real_pair.target_lm, real_pair.assistant_lm):
-            lm.keeps_prefix = False
+            lm.slots = None
             lm.reset([], rollback=False)
+
+
+@contextlib.contextmanager
+def fresh(*lms) -> Iterator[None]:
+    """Within the block, every reset starts from an empty cache."""
+    saved = [lm.slots for lm in lms]
+    for lm in lms:
+        lm.slots = None
+    try:
+        yield
+    finally:
+        for lm, slots in zip(lms, saved, strict=True):
+            lm.slots = slots
 
 
 def _states(lm) -> list[torch.Tensor]:
@@ -53,18 +67,22 @@ def test_kept_states_are_bitwise_a_fresh_prefills(reusing, role) -> None:
     for tok in second[len(first) : len(first) + 3]:  # a few decode rows on top, one at a time
         lm.ids.append(tok)
         lm.forward()
-    reused = _prefill(lm, second)
-    assert lm.cached == len(second)
-    lm.keeps_prefix = False
-    fresh = _prefill(lm, second)
-    lm.keeps_prefix = True
-    assert all(torch.equal(a, b) for a, b in zip(reused, fresh, strict=True))
+    before = list(lm.ids)
+    _prefill(lm, list(model.tokenizer("An unrelated prompt in between.")["input_ids"]))
+    lm.reset(second, rollback=True)
+    shared = next(i for i, (a, b) in enumerate(zip([*before, -1], second, strict=False)) if a != b)
+    assert lm.cached == min(shared, len(second) - 1) > len(first) // 2  # the kept sequence's
+    lm.forward()
+    reused = _states(lm)
+    with fresh(lm):
+        again = _prefill(lm, second)
+    assert all(torch.equal(a, b) for a, b in zip(reused, again, strict=True))
 
 
 def test_the_next_turn_generates_the_same_tokens(reusing) -> None:
     uag.generate(reusing, HISTORY, max_new_tokens=8)
+    uag.generate(reusing, "Another conversation entirely", max_new_tokens=4)
     reused = uag.generate(reusing, NEXT, max_new_tokens=24)
-    for lm in (reusing.target_lm, reusing.assistant_lm):
-        lm.keeps_prefix = False
-    fresh = uag.generate(reusing, NEXT, max_new_tokens=24)
-    assert reused.token_ids == fresh.token_ids
+    with fresh(reusing.target_lm, reusing.assistant_lm):
+        again = uag.generate(reusing, NEXT, max_new_tokens=24)
+    assert reused.token_ids == again.token_ids

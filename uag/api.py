@@ -68,14 +68,15 @@ class Pair:
             self._recipes[sampling] = recipes.default_plan(self, sampling=sampling)
         return self._recipes[sampling]
 
-    def keep_prefixes(self) -> list[str]:
-        """Each model keeps the states of the longest prefix a new prompt shares with the
-        sequence before (``CachedLM.keep_prefixes``: where that is exact); returns the roles
-        that do. For a server: a chat's next turn re-reads only its new messages."""
+    def keep_prefixes(self, positions: int = 8192) -> list[str]:
+        """Each model keeps its recent sequences (up to ``positions`` cached positions each)
+        and starts a new prompt from the longest prefix one of them shares
+        (``CachedLM.keep_prefixes``: where that is exact); returns the roles that do. For a
+        server: a chat's next turn re-reads only its new messages."""
         return [
             role
             for role, lm in (("target", self.target_lm), ("assistant", self.assistant_lm))
-            if lm.keep_prefixes()
+            if lm.keep_prefixes(positions)
         ]
 
     def sampling(

@@ -86,6 +86,23 @@ class LeanCache:
         """Forget every position from ``keep`` on."""
         self.length = min(self.length, keep)
 
+    def prefix(self, keep: int) -> LeanCache:
+        """A new cache holding a copy of this one's first ``keep`` positions."""
+        kv_heads, head_dim = self._shape
+        out = LeanCache(
+            layers=self.layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=self._dtype,
+            device=self._device,
+        )
+        out.reserve(keep)
+        for mine, theirs in ((self.keys, out.keys), (self.values, out.values)):
+            for layer in range(self.layers):
+                theirs[layer][:, :keep] = mine[layer][:, :keep]
+        out.length = keep
+        return out
+
     def get_seq_length(self) -> int:
         return self.length
 

@@ -163,19 +163,17 @@ class CachedLM:
         """Another sequence on the same model and heads, with its own ids and cache."""
         other = copy.copy(self)
         other.ids, other.cached, other.cache = [], 0, None
+        other.slots = None if self.slots is None else []  # its own kept sequences
         return other
 
     def reset(self, ids: Sequence[int], *, rollback: bool) -> None:
-        """Start a new sequence (a fresh cache; nothing fed yet).
+        """Start a new sequence (a fresh cache, or a kept one's shared prefix: ``keep_prefixes``).
 
         ``rollback=True`` when the caller will ``truncate``: sliding-window layers (Gemma 3) then
         keep states past the window until the next crop; without it, rolling back after ~512
         tokens fails. Plain decoding leaves it off so those layers stay bounded.
         """
-        keep = self._kept_prefix(ids)
-        if keep:
-            self.truncate(keep)
-            self.ids = list(ids)
+        if self.slots is not None and self._resume(ids):
             return
         self.ids = list(ids)
         self.cached = 0
@@ -189,28 +187,64 @@ class CachedLM:
         if rollback:
             self.cache.activate_past_recording()
 
-    def keep_prefixes(self) -> bool:
-        """From now on ``reset`` keeps the cached states of the longest prefix the new ids share
-        with the sequence before (a multi-turn chat does not re-read its history); returns
-        whether this model can. Exact by construction only where every row is computed on its
-        own, whatever rows share its forward: a lean body whose forwards of any length run on
-        the native layers (``LeanBody.prompts_native``); anywhere else the states a prefix got
-        inside a longer forward may round differently from a fresh prefill's."""
-        self.keeps_prefix = self.lean is not None and self.lean.prompts_native
-        return self.keeps_prefix
+    slots: list[tuple[list[int], Any]] | None = None
+    """Sequences kept for ``reset`` besides the current one (most recent first), each its ids
+    and cache; None: every ``reset`` starts afresh (``keep_prefixes`` turns this on)."""
+    max_kept = 0
+    """Positions the kept caches may hold together (their capacity: what they take)."""
 
-    keeps_prefix = False
+    def keep_prefixes(self, positions: int = 8192) -> bool:
+        """From now on ``reset`` starts from whichever earlier sequence shares the longest
+        prefix with the new ids (a multi-turn chat does not re-read its history, even with
+        other conversations in between), keeping the most recent ones whose caches hold up to
+        ``positions`` positions together (Qwen2.5 1.5B: ~57 KB a position, Gemma 3 270M ~36 KB,
+        SmolLM2 in half floats ~23 KB); returns whether this model can. Exact by construction
+        only where every row is computed on its own, whatever rows share its forward: a lean
+        body whose forwards of any length run on the native layers
+        (``LeanBody.prompts_native``); anywhere else the states a prefix got inside a longer
+        forward may round differently from a fresh prefill's."""
+        can = self.lean is not None and self.lean.prompts_native
+        self.slots, self.max_kept = ([], positions) if can else (None, 0)
+        return can
 
-    def _kept_prefix(self, ids: Sequence[int]) -> int:
-        """Positions of ``ids`` whose cached states ``reset`` may keep (0: start afresh). The
-        last id is always fed again: its forward gives the hidden state the next token needs."""
-        if not self.keeps_prefix or self.cache is None or not self.cached:
-            return 0
-        limit = min(self.cached, len(ids) - 1)
-        same = 0
-        while same < limit and self.ids[same] == ids[same]:
-            same += 1
-        return same
+    def _evict(self) -> None:
+        """Drop the least recently used kept sequences beyond ``max_kept`` positions."""
+        kept = self.slots or []
+        total = 0
+        for i, (_, cache) in enumerate(kept):
+            total += cache.capacity
+            if total > self.max_kept:
+                del kept[i:]
+                return
+
+    def _resume(self, ids: Sequence[int]) -> bool:
+        """Start ``ids`` from the cached sequence sharing the longest prefix with it (the last id
+        is always fed again: its forward gives the hidden state the next token needs): that
+        sequence itself, cropped, where most of it is shared, else a copy of the shared part,
+        so a sequence that shares only a system prompt survives for its own next turn. The
+        least recently used beyond ``max_kept`` positions are dropped. False where none shares
+        any position (the caller starts afresh)."""
+        kept = self.slots
+        assert kept is not None
+        if self.cache is not None and self.cached:
+            kept.insert(0, (self.ids[: self.cached], self.cache))
+        self.cache, self.cached = None, 0
+        limit = len(ids) - 1
+        shared = [_shared(seq, ids, limit) for seq, _ in kept]
+        best = max(range(len(kept)), key=shared.__getitem__, default=None)
+        if best is None or not shared[best]:
+            self._evict()
+            return False
+        seq, cache = kept[best]
+        if 2 * shared[best] >= len(seq):  # mostly the same sequence, e.g. a chat's next turn
+            kept.pop(best)
+            self.ids, self.cache, self.cached = list(seq), cache, len(seq)
+            self.truncate(shared[best])
+        else:  # a little in common (a system prompt): copy it, keep that sequence whole
+            self.cache, self.cached = cache.prefix(shared[best]), shared[best]
+        self._evict()
+        self.ids = list(ids)
+        return True
 
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
@@ -425,3 +459,12 @@ def assistant_lm_for(model: Any, mode: str) -> CachedLM:
     if mode in ("native", "onednn") and fp32_cpu:
         swap_linears(model, mode, head=True)
     return CachedLM(model)
+
+
+def _shared(seq: Sequence[int], ids: Sequence[int], limit: int) -> int:
+    """How many leading ids ``seq`` and ``ids`` share, at most ``limit``."""
+    n = min(len(seq), limit)
+    same = 0
+    while same < n and seq[same] == ids[same]:
+        same += 1
+    return same
