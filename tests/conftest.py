@@ -70,3 +70,18 @@ def similar(tokenizers):
     from tests.tiny import same_tokenizer_pair
 
     return same_tokenizer_pair(tokenizers, noise=0.05)
+
+
+MODEL_FIXTURES = frozenset({"tokenizers", "real_pair", "tiny_dirs", "cross", "similar"})
+"""Fixtures that need the embedded GGUFs converted (~1 min on an empty cache)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that need no converted model first, the rest after (each group in its own order).
+    pytest-xdist hands each worker a contiguous half at the start: the second worker then
+    converts the models straight away while the first runs tests that need none, instead of
+    both waiting on the conversion at once. The same order in every process (xdist checks)."""
+    items.sort(
+        key=lambda item: bool(MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
+        or item.get_closest_marker("real") is not None
+    )

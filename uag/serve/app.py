@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvicorn
@@ -41,9 +42,19 @@ DISCONNECT_POLL_S = 0.5
 """How often a waiting request checks that its client is still there."""
 
 
+@dataclass(frozen=True)
+class Served:
+    """What every request is answered from: the engine, the model's name, the limits."""
+
+    engine: Engine
+    model_id: str
+    config: ServeConfig
+
+
 def create_app(*, engine: Engine, model_id: str, config: ServeConfig) -> FastAPI:
     """The ASGI app serving ``engine``'s pair under the name ``model_id``."""
     app = FastAPI(title="uag", docs_url=None, redoc_url=None, openapi_url=None)
+    served = Served(engine, model_id, config)
     started = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -94,17 +105,13 @@ def create_app(*, engine: Engine, model_id: str, config: ServeConfig) -> FastAPI
     async def completions(request: Request) -> Any:
         req = await _parse(request, CompletionRequest, config)
         prompt = _uag(lambda: api.check_prompt(req.prompt))
-        return await _answer(
-            request, req, prompt, chat=False, engine=engine, model_id=model_id, config=config
-        )
+        return await _answer(request, req, prompt, chat=False, served=served)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         req = await _parse(request, ChatRequest, config)
         prompt = _uag(lambda: api.render_chat(engine.pair, req.conversation()))
-        return await _answer(
-            request, req, prompt, chat=True, engine=engine, model_id=model_id, config=config
-        )
+        return await _answer(request, req, prompt, chat=True, served=served)
 
     return app
 
@@ -159,25 +166,23 @@ async def _answer(
     prompt: str,
     *,
     chat: bool,
-    engine: Engine,
-    model_id: str,
-    config: ServeConfig,
+    served: Served,
 ) -> Any:
     """Queue the request's job and answer it: one JSON body, or a stream of chunks."""
-    job = _job(req, prompt, chat=chat, engine=engine, model_id=model_id, config=config)
+    job = _job(req, prompt, chat=chat, served=served)
     try:
-        engine.submit(job)
+        served.engine.submit(job)
     except QueueFull:
         raise ApiError(
             429,
-            f"the queue is full ({config.queue} requests waiting): retry later",
+            f"the queue is full ({served.config.queue} requests waiting): retry later",
             type="server_busy",
             code="queue_full",
         ) from None
     first = await _next(job, request)
     if isinstance(first, Failed):
         raise first.error
-    shape = Shape.new(chat=chat, model=model_id)
+    shape = Shape.new(chat=chat, model=served.model_id)
     if req.stream:
         return StreamingResponse(
             _chunks(first, job, shape, usage=req.include_usage()), media_type="text/event-stream"
@@ -190,17 +195,10 @@ async def _answer(
     return shape.whole(event.text, event.finish, event.usage)
 
 
-def _job(
-    req: CompletionRequest | ChatRequest,
-    prompt: str,
-    *,
-    chat: bool,
-    engine: Engine,
-    model_id: str,
-    config: ServeConfig,
-) -> Job:
+def _job(req: CompletionRequest | ChatRequest, prompt: str, *, chat: bool, served: Served) -> Job:
     """The request's generation, checked: model, fields uag does not do, budget, sampling."""
-    _check_model(req.model, model_id)
+    config = served.config
+    _check_model(req.model, served.model_id)
     why = req.unsupported()
     if why is not None:
         raise ApiError(400, why)
@@ -220,7 +218,9 @@ def _job(
     sampling = None
     if req.temperature != 0:  # None: the target's own defaults, as uag generate --sample
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        sampling = engine.pair.sampling(temperature=req.temperature, top_p=req.top_p, seed=seed)
+        sampling = served.engine.pair.sampling(
+            temperature=req.temperature, top_p=req.top_p, seed=seed
+        )
     return Job(
         prompt=prompt,
         max_tokens=max_tokens,

@@ -22,12 +22,13 @@ class Metrics:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     generation_seconds: float = 0.0
+    rounds: Counter[str] = field(default_factory=Counter)
+    candidates: Counter[str] = field(default_factory=Counter)
+    accepted: Counter[str] = field(default_factory=Counter)
+    """Per action (step, copy, draft): rounds, candidates verified, candidates accepted."""
     first_token_seconds: float = 0.0
     first_tokens: int = 0
     last_tokens_per_second: float = 0.0
-    candidates: Counter[str] = field(default_factory=Counter)
-    accepted: Counter[str] = field(default_factory=Counter)
-    rounds: Counter[str] = field(default_factory=Counter)
     queue_depth: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
