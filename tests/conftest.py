@@ -11,7 +11,13 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(torch.get_num_threads(), 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: one thread each (and in the commands they start). Two threads
+    # per worker spin-wait for a core the other worker holds: tiny-model tests ran 3-6x slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +28,10 @@ def tokenizers():
     from uag.runtime.models import convert_gguf
 
     names = ["gemma-3-270m", "smollm2-135m"]
-    # Under pytest-xdist, the second worker converts the other GGUF first: on an empty cache
-    # the two conversions then run side by side instead of one worker waiting on the other's.
-    for name in names[::-1] if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" else names:
+    # Under pytest-xdist the second worker, which meets these tests first (see below), converts
+    # the longer one (Gemma, ~50 s) and the first worker the other (~27 s) when it gets here:
+    # on an empty cache the two conversions run side by side.
+    for name in names[::-1] if os.environ.get("PYTEST_XDIST_WORKER") == "gw0" else names:
         convert_gguf(name)
     return tuple(AutoTokenizer.from_pretrained(str(convert_gguf(name))) for name in names)
 

@@ -101,22 +101,24 @@ def expected(real_pair) -> dict[tuple[str, bool], object]:
     }
 
 
+def _ask(client: openai.OpenAI, prompt: str, *, chat: bool, **kwargs):
+    """One greedy request of 24 tokens: to the chat endpoint as one user message, or as a
+    completion."""
+    if chat:
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], **kwargs
+        )
+    return client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+GREEDY = {"max_tokens": 24, "temperature": 0}
+
+
 def test_greedy_completion_and_chat_equal_uag_generate(server: Server, expected) -> None:
     client = server.client()
     for (prompt, chat), want in expected.items():
-        if chat:
-            got = client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=24,
-                temperature=0,
-            )
-            text = got.choices[0].message.content
-        else:
-            got = client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=24, temperature=0
-            )
-            text = got.choices[0].text
+        got = _ask(client, prompt, chat=chat, **GREEDY)
+        text = got.choices[0].message.content if chat else got.choices[0].text
         assert text == want.text, (prompt, chat)
         assert got.usage.completion_tokens == len(want.token_ids)
         assert got.usage.prompt_tokens == want.prompt_tokens
@@ -127,33 +129,15 @@ def test_greedy_completion_and_chat_equal_uag_generate(server: Server, expected)
 
 def test_streams_carry_the_same_text_and_end_with_done(server: Server, expected) -> None:
     client = server.client()
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
     for (prompt, chat), want in expected.items():
+        chunks = list(_ask(client, prompt, chat=chat, **GREEDY, **usage))
+        choices = [c.choices[0] for c in chunks if c.choices]
+        pieces = [(c.delta.content or "") if chat else c.text for c in choices]
         if chat:
-            stream = client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=24,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            chunks = list(stream)
-            pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
-            assert chunks[0].choices[0].delta.role == "assistant"
-        else:
-            chunks = list(
-                client.completions.create(
-                    model=MODEL,
-                    prompt=prompt,
-                    max_tokens=24,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-            )
-            pieces = [c.choices[0].text for c in chunks if c.choices]
+            assert choices[0].delta.role == "assistant"
         assert "".join(pieces) == want.text, (prompt, chat)
-        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        finishes = [c.finish_reason for c in choices]
         assert finishes[-1] in ("length", "stop") and not any(finishes[:-1])
         assert chunks[-1].usage.completion_tokens == len(want.token_ids)
     # the raw stream: server-sent events, the last one [DONE]
