@@ -36,7 +36,7 @@ def start(arm: str, extra: list[str], log_dir: Path) -> tuple[subprocess.Popen[b
     log = log_dir / f"serve-{arm}.log"
     with log.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "uag", "serve", "--port", "0", *ARMS[arm], *extra],
+            [sys.executable, "-m", "uag", "serve", "--port", "0", *ARMS.get(arm, []), *extra],
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
