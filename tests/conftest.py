@@ -89,6 +89,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     converts the models straight away while the first runs tests that need none, instead of
     both waiting on the conversion at once. The same order in every process (xdist checks)."""
     items.sort(
-        key=lambda item: bool(MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
-        or item.get_closest_marker("real") is not None
+        key=lambda item: (
+            bool(MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or item.get_closest_marker("real") is not None
+        )
     )

@@ -18,6 +18,7 @@ from uag.decoding.actions import (
 )
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan import ChoosingPlan, FunctionPlan, ScriptedPlan
+from uag.decoding.round import Generation
 from uag.decoding.speculative import target_alone
 from uag.errors import UagError
 
@@ -68,10 +69,12 @@ def _run(pair, prompt: str, plan: ChoosingPlan, *, lookup: PromptLookup | None =
     plan.lookup = copy_lookup() if lookup is None else lookup
     target_ids, assistant_ids = encode_prompt(pair, render_prompt(pair, prompt, chat=False))
     alone = target_alone(
-        target=pair.target_lm,
-        target_eos=pair.target.eos_ids,
-        prompt_ids=target_ids,
-        max_new_tokens=TOKENS,
+        Generation(
+            target=pair.target_lm,
+            eos=pair.target.eos_ids,
+            prompt_ids=target_ids,
+            max_new_tokens=TOKENS,
+        )
     )
     out = speculate_on(
         pair,

@@ -24,7 +24,7 @@ from uag.decoding.plan_features import (
     round_state,
 )
 from uag.decoding.profile import LatencyProfile
-from uag.decoding.round import MAX_CANDIDATES
+from uag.decoding.round import MAX_CANDIDATES, Generation
 from uag.decoding.speculative import target_alone
 from uag.errors import UagError
 
@@ -192,10 +192,9 @@ def test_a_learned_plan_runs_lossless_in_the_loop(toy, tmp_path, bias):
     prompt = "abc abc abc abc abc abc"
     target_ids, _ = encode_prompt(toy, render_prompt(toy, prompt, chat=False))
     alone = target_alone(
-        target=toy.target_lm,
-        target_eos=toy.target.eos_ids,
-        prompt_ids=target_ids,
-        max_new_tokens=24,
+        Generation(
+            target=toy.target_lm, eos=toy.target.eos_ids, prompt_ids=target_ids, max_new_tokens=24
+        )
     )
     out = _run(toy, prompt, plan)
     assert out.ids == alone.ids

@@ -22,7 +22,7 @@ from uag.decoding.actions import Action, Copy, Draft, Step, copy_lookup, parse_a
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan import FixedDrafts, FunctionPlan, Plan, ScriptedPlan, Sources
 from uag.decoding.profile import LatencyProfile
-from uag.decoding.round import Session
+from uag.decoding.round import Generation, Session
 from uag.decoding.speculative import target_alone
 from uag.harness import dryrun
 from uag.harness.plan_collect import OraclePlan, default_actions
@@ -121,10 +121,12 @@ def test_every_plan_runs_through_the_one_round_losslessly(pair, name):
     for prompt in PROMPTS:
         target_ids, _ = _ids(pair, prompt)
         alone = target_alone(
-            target=pair.target_lm,
-            target_eos=pair.target.eos_ids,
-            prompt_ids=target_ids,
-            max_new_tokens=TOKENS,
+            Generation(
+                target=pair.target_lm,
+                eos=pair.target.eos_ids,
+                prompt_ids=target_ids,
+                max_new_tokens=TOKENS,
+            )
         )
         plan = make()
         out = _speculate(pair, prompt, plan)

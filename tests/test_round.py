@@ -15,32 +15,29 @@ from uag.api import encode_prompt
 from uag.decoding.drafters import LookupDrafter
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan import Plan, PlanRunner, Sources
-from uag.decoding.round import Drafter, Proposal, Session, decode
+from uag.decoding.round import Drafter, Generation, Proposal, Session, decode
 from uag.decoding.speculative import target_alone
 from uag.decoding.stopwatch import Stopwatch
 from uag.decoding.verifiers import GreedyVerifier
 
 
-def _session(pair, prompt: str, *, max_new_tokens: int) -> Session:
+def _gen(pair, prompt: str, *, max_new_tokens: int) -> Generation:
     target_ids, _ = encode_prompt(pair, prompt)
-    return Session(
+    return Generation(
         target=pair.target_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
+        eos=pair.target.eos_ids,
         prompt_ids=target_ids,
         max_new_tokens=max_new_tokens,
-        verifier=GreedyVerifier(),
     )
 
 
+def _session(pair, prompt: str, *, max_new_tokens: int) -> Session:
+    gen = _gen(pair, prompt, max_new_tokens=max_new_tokens)
+    return Session(gen=gen, bridge=pair.bridge, verifier=GreedyVerifier())
+
+
 def _reference(pair, prompt: str, *, max_new_tokens: int) -> list[int]:
-    target_ids, _ = encode_prompt(pair, prompt)
-    return target_alone(
-        target=pair.target_lm,
-        target_eos=pair.target.eos_ids,
-        prompt_ids=target_ids,
-        max_new_tokens=max_new_tokens,
-    ).ids
+    return target_alone(_gen(pair, prompt, max_new_tokens=max_new_tokens)).ids
 
 
 class _ScriptedDrafter:
@@ -87,7 +84,6 @@ def test_the_round_with_no_drafter_is_the_target_alone(cross, name):
     out = decode(
         session=_session(cross, prompt, max_new_tokens=12),
         choice=_runner(TargetOnlyPlan(), Sources()),
-        on_tokens=None,
     )
     assert out.ids == ref
     assert all(r.candidates == 0 and r.emitted == 1 for r in out.iterations)
@@ -113,7 +109,6 @@ def test_any_drafter_plugs_into_the_round_and_the_output_stays_the_targets(cross
         out = decode(
             session=_session(cross, prompt, max_new_tokens=20),
             choice=_Always(drafter),
-            on_tokens=None,
         )
         assert out.ids == ref
         assert [n for n, _ in drafter.settled] == [r.emitted for r in out.iterations]
@@ -128,9 +123,7 @@ def test_lookup_alone_is_a_drafter_in_the_fixed_choice(similar):
     ref = _reference(similar, prompt, max_new_tokens=24)
     lookup = PromptLookup()
     choice = _runner(RulePlan(None, lookup=lookup), Sources(lookup=LookupDrafter(lookup)))
-    out = decode(
-        session=_session(similar, prompt, max_new_tokens=24), choice=choice, on_tokens=None
-    )
+    out = decode(session=_session(similar, prompt, max_new_tokens=24), choice=choice)
     assert out.ids == ref
     assert any(r.lookup and r.candidates for r in out.iterations)
     assert all(r.drafted == 0 for r in out.iterations)

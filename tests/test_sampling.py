@@ -15,7 +15,7 @@ from controllers.plans import RulePlan
 from controllers.rules import NoDraftPolicy, StaticPolicy
 from uag.api import encode_prompt
 from uag.decoding.lookup import PromptLookup
-from uag.decoding.round import LoopOutput
+from uag.decoding.round import Generation, LoopOutput
 from uag.decoding.sampling import (
     PointQ,
     PositionDraws,
@@ -25,7 +25,7 @@ from uag.decoding.sampling import (
     uniform,
     verify_draft,
 )
-from uag.decoding.speculative import speculate, target_alone
+from uag.decoding.speculative import Assisting, speculate, target_alone
 from uag.errors import UagError
 from uag.runtime.tokcache import token_bytes_table
 
@@ -337,6 +337,24 @@ def _exact_three(pair, prompt: list[int], cfg: SamplingConfig):
     return out
 
 
+def _gen(pair, prompt_t: list[int], max_new_tokens: int) -> Generation:
+    """A generation on ``pair``'s target with no stop ids (every run is as long as asked)."""
+    return Generation(
+        target=pair.target_lm, eos=frozenset(), prompt_ids=prompt_t, max_new_tokens=max_new_tokens
+    )
+
+
+def _assisting(pair, prompt_a: list[int]) -> Assisting:
+    """``pair``'s assistant, drafting into the sampling intersection, with no stop ids."""
+    return Assisting(
+        lm=pair.assistant_lm,
+        eos=frozenset(),
+        prompt_ids=prompt_a,
+        bridge=pair.bridge,
+        intersection=pair.intersection(),
+    )
+
+
 def _run_many(pair, prompt_t, prompt_a, cfg, seeds, policy=None, lookup=False):
     """Seeded speculative runs, one per seed; counts of their first three tokens, drafted and
     accepted candidates, candidates copied by prompt lookup (``lookup``), and rounds that
@@ -346,16 +364,9 @@ def _run_many(pair, prompt_t, prompt_a, cfg, seeds, policy=None, lookup=False):
     for i in seeds:
         run = SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=i)
         out: LoopOutput = speculate(
-            target=pair.target_lm,
-            assistant=pair.assistant_lm,
-            bridge=pair.bridge,
-            intersection=pair.intersection(),
-            target_eos=frozenset(),
-            assistant_eos=frozenset(),
-            prompt_target_ids=prompt_t,
-            prompt_assistant_ids=prompt_a,
+            _gen(pair, prompt_t, 4),
+            assistant=_assisting(pair, prompt_a),
             plan=RulePlan(policy or StaticPolicy(k=2), lookup=PromptLookup() if lookup else None),
-            max_new_tokens=4,
             sampling=run,
         )
         drafted += sum(r.drafted for r in out.iterations)
@@ -474,18 +485,11 @@ def test_target_only_sampling_is_reproducible_and_seeded(tokenizers):
     pair = same_tokenizer_pair(tokenizers, noise=0.05)
     prompt_t, _ = encode_prompt(pair, "x = 1")
     cfg = SamplingConfig(temperature=1.0, seed=5)
-    runs = [
-        target_alone(
-            target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t,
-            max_new_tokens=8, sampling=cfg,
-        ).ids
-        for _ in range(2)
-    ]  # fmt: skip
+    runs = [target_alone(_gen(pair, prompt_t, 8), sampling=cfg).ids for _ in range(2)]
     assert runs[0] == runs[1]
     other = target_alone(
-        target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t, max_new_tokens=8,
-        sampling=SamplingConfig(temperature=1.0, seed=6),
-    ).ids  # fmt: skip
+        _gen(pair, prompt_t, 8), sampling=SamplingConfig(temperature=1.0, seed=6)
+    ).ids
     assert other != runs[0]
 
 
@@ -505,16 +509,13 @@ def test_copies_and_steps_emit_target_alone_sampling_token_for_token():
     copied = accepted = 0
     for seed in range(12):
         cfg = SamplingConfig(temperature=1.0, top_k=4, seed=seed)
-        alone = target_alone(
-            target=pair.target_lm, target_eos=frozenset(), prompt_ids=prompt_t,
-            max_new_tokens=24, sampling=cfg,
-        ).ids  # fmt: skip
+        alone = target_alone(_gen(pair, prompt_t, 24), sampling=cfg).ids
         out = speculate(
-            target=pair.target_lm, assistant=pair.assistant_lm, bridge=pair.bridge,
-            intersection=pair.intersection(), target_eos=frozenset(), assistant_eos=frozenset(),
-            prompt_target_ids=prompt_t, prompt_assistant_ids=prompt_a, plan=RulePlan(None, lookup=PromptLookup()),
-            max_new_tokens=24, sampling=cfg,
-        )  # fmt: skip
+            _gen(pair, prompt_t, 24),
+            assistant=_assisting(pair, prompt_a),
+            plan=RulePlan(None, lookup=PromptLookup()),
+            sampling=cfg,
+        )
         assert out.ids == alone, seed
         copied += sum(r.candidates for r in out.iterations if r.lookup)
         accepted += sum(r.accepted_candidates for r in out.iterations if r.lookup)

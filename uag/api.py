@@ -20,13 +20,13 @@ import torch
 from uag import recipes
 from uag.decoding.bridge import Bridge
 from uag.decoding.plan import Plan
-from uag.decoding.round import IterationRecord, LoopOutput, OnTokens, StopReason
+from uag.decoding.round import Generation, IterationRecord, LoopOutput, OnTokens, StopReason
 from uag.decoding.sampling import (
     Intersection,
     SamplingConfig,
     special_ids,
 )
-from uag.decoding.speculative import speculate, target_alone
+from uag.decoding.speculative import Assisting, speculate, target_alone
 from uag.errors import UagError
 from uag.kernels.choice import (
     quantize_int8,
@@ -490,31 +490,23 @@ def speculate_on(
     for runs whose plan reads every round itself (``uag collect --plan``'s sampled runs label
     each round start) and for exact replay (``target``: a recorded target in the pair's
     model's place)."""
-    target = target if target is not None else pair.target_lm
-    if plan is None:
-        return target_alone(
-            target=target,
-            target_eos=pair.target.eos_ids,
-            prompt_ids=target_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            on_tokens=on_tokens,
-        )
-    return speculate(
-        target=target,
-        assistant=pair.assistant_lm,
-        bridge=pair.bridge,
-        target_eos=pair.target.eos_ids,
-        assistant_eos=pair.assistant.eos_ids,
-        prompt_target_ids=target_ids,
-        prompt_assistant_ids=assistant_ids,
-        plan=plan,
+    gen = Generation(
+        target=target if target is not None else pair.target_lm,
+        eos=pair.target.eos_ids,
+        prompt_ids=target_ids,
         max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        intersection=pair.intersection() if sampling is not None else None,
         on_tokens=on_tokens,
-        keep_steps=keep_steps,
     )
+    if plan is None:
+        return target_alone(gen, sampling=sampling)
+    assisting = Assisting(
+        lm=pair.assistant_lm,
+        eos=pair.assistant.eos_ids,
+        prompt_ids=assistant_ids,
+        bridge=pair.bridge,
+        intersection=pair.intersection() if sampling is not None else None,
+    )
+    return speculate(gen, assistant=assisting, plan=plan, sampling=sampling, keep_steps=keep_steps)
 
 
 class _Streamer:

@@ -157,10 +157,9 @@ class History:
     prev: IterationOutcome = IterationOutcome(drafted=0, accepted=0)
     """The last round that drafted: a skipped round says nothing about agreement, and
     forgetting would lock a gate that skips once into skipping."""
-    drafted_total: int = 0
-    """Candidates the assistant's drafts proposed, all rounds so far."""
-    accepted_total: int = 0
-    """Of those, the ones the target accepted."""
+    drafts: IterationOutcome = IterationOutcome(drafted=0, accepted=0)
+    """Every drafting round so far, summed: the candidates the assistant's drafts proposed and
+    the ones the target accepted."""
     copies: int = 0
     copied: int = 0
     copy_emitted: int = 0
@@ -183,8 +182,8 @@ class History:
             remaining=remaining,
             prev_drafted=self.prev.drafted,
             prev_accepted=self.prev.accepted,
-            drafted_total=self.drafted_total,
-            accepted_total=self.accepted_total,
+            drafted_total=self.drafts.drafted,
+            accepted_total=self.drafts.accepted,
             target_prob=target_prob,
             target_entropy=target_entropy,
             lag=lag,
@@ -198,8 +197,9 @@ class History:
         outcome = IterationOutcome(drafted=drafted, accepted=accepted)
         if drafted:
             self.prev = outcome
-        self.drafted_total += drafted
-        self.accepted_total += accepted
+        self.drafts = IterationOutcome(
+            drafted=self.drafts.drafted + drafted, accepted=self.drafts.accepted + accepted
+        )
         return outcome
 
     def note_copy(self, *, candidates: int, emitted: int) -> None:
@@ -210,15 +210,26 @@ class History:
         self.copy_emitted += emitted
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """What one generation asks, asked alike of the speculative loop (``decode``) and of the
+    target-alone reference (``target_only_loop``), so that the two cannot be asked different
+    things: the target, its stop ids, the prompt as target ids, the budget, and who hears each
+    round's emitted ids."""
+
+    target: CachedLM
+    eos: frozenset[int]
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    on_tokens: OnTokens | None = None
+
+
+@dataclass(kw_only=True)
 class Session:
     """One generation's state, shared by the round's phases and the drafters."""
 
-    target: CachedLM
+    gen: Generation
     bridge: Bridge
-    target_eos: frozenset[int]
-    prompt_ids: Sequence[int]
-    max_new_tokens: int
     verifier: Verifier
     keep_steps: bool = False
     rich: bool = False
@@ -232,13 +243,21 @@ class Session:
     records: list[IterationRecord] = field(default_factory=list)
 
     @property
+    def target(self) -> CachedLM:
+        return self.gen.target
+
+    @property
+    def prompt_ids(self) -> Sequence[int]:
+        return self.gen.prompt_ids
+
+    @property
     def generated(self) -> int:
         return len(self.target.ids) - self.start
 
     @property
     def room(self) -> int:
         """Target tokens this generation may still emit."""
-        return self.max_new_tokens - self.generated
+        return self.gen.max_new_tokens - self.generated
 
 
 class Drafter(Protocol):
@@ -301,9 +320,10 @@ def commit(target: CachedLM, *, base: int, accepted: int, emitted: list[int]) ->
     return in_cache
 
 
-def decode(*, session: Session, choice: DrafterChoice, on_tokens: OnTokens | None) -> LoopOutput:
+def decode(*, session: Session, choice: DrafterChoice) -> LoopOutput:
     """Rounds until EOS or ``max_new_tokens``: the output is the target's own (greedy), or
     distributed as the target's own (sampling)."""
+    on_tokens = session.gen.on_tokens
     started = time.perf_counter()
     start(session, choice)
     reason: StopReason = "max_new_tokens"
@@ -378,7 +398,7 @@ def accept(
     """Commit the verdict, cut at EOS and at ``room``: ``(emitted, emitted tokens already
     cached, hit EOS)``. Counted as verify time (cache bookkeeping of that forward)."""
     with clock("verify"):
-        emitted, hit_eos = clip(verdict.emitted, eos_ids=session.target_eos, room=room)
+        emitted, hit_eos = clip(verdict.emitted, eos_ids=session.gen.eos, room=room)
         in_cache = commit(session.target, base=base, accepted=verdict.accepted, emitted=emitted)
         session.verifier.committed(session, emitted=len(emitted))
     session.text += session.bridge.target.bytes_of(emitted)
@@ -440,27 +460,20 @@ def record(
     )
 
 
-def target_only_loop(
-    *,
-    target: CachedLM,
-    target_eos: frozenset[int],
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    on_tokens: OnTokens | None,
-    next_token: Callable[[torch.Tensor], int],
-) -> LoopOutput:
+def target_only_loop(gen: Generation, *, next_token: Callable[[torch.Tensor], int]) -> LoopOutput:
     """The reference: the target alone, one token per forward, no round machinery at all.
     ``next_token`` picks it from the last hidden state ``[1, h]`` (greedy or sampled)."""
     start_time = time.perf_counter()
-    target.reset(prompt_ids, rollback=False)
+    target = gen.target
+    target.reset(gen.prompt_ids, rollback=False)
     first = len(target.ids)
     reason: StopReason = "max_new_tokens"
-    while len(target.ids) - first < max_new_tokens:
+    while len(target.ids) - first < gen.max_new_tokens:
         tok = next_token(target.forward()[-1:])
         target.ids.append(tok)
-        halt = bool(on_tokens([tok])) if on_tokens else False
-        if tok in target_eos or halt:
-            reason = "eos" if tok in target_eos else "halted"
+        halt = bool(gen.on_tokens([tok])) if gen.on_tokens else False
+        if tok in gen.eos or halt:
+            reason = "eos" if tok in gen.eos else "halted"
             break
     return LoopOutput(
         ids=target.ids[first:],

@@ -11,6 +11,7 @@ as its.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +25,8 @@ from uag.decoding.drafters import (
 )
 from uag.decoding.plan import Plan, PlanRunner, Sources
 from uag.decoding.round import (
+    Generation,
     LoopOutput,
-    OnTokens,
     Session,
     Verifier,
     decode,
@@ -36,17 +37,23 @@ from uag.decoding.verifiers import GreedyVerifier, SamplingVerifier
 from uag.runtime.runner import CachedLM
 
 
-def target_alone(
-    *,
-    target: CachedLM,
-    target_eos: frozenset[int],
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    on_tokens: OnTokens | None = None,
-) -> LoopOutput:
+@dataclass(frozen=True, kw_only=True)
+class Assisting:
+    """The assistant's side of one generation: its model, its stop ids, the prompt encoded its
+    way, and how its drafts reach the target: the bridge from its text to target ids, and
+    (sampling) the vocabularies' intersection its draws are restricted to."""
+
+    lm: CachedLM
+    eos: frozenset[int]
+    prompt_ids: Sequence[int]
+    bridge: Bridge
+    intersection: Intersection | None = None
+
+
+def target_alone(gen: Generation, *, sampling: SamplingConfig | None = None) -> LoopOutput:
     """The reference: the target alone, one token per forward, with the same forward and head
     as verification: its argmax, or (``sampling``) one sample of ``processed_probs``."""
+    target = gen.target
     next_token: Callable[[torch.Tensor], int]
     if sampling is None:
 
@@ -62,30 +69,15 @@ def target_alone(
                 processed_probs(target.full_logits(hidden), cfg)[0], own(len(target.ids))
             )
 
-    return target_only_loop(
-        target=target,
-        target_eos=target_eos,
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new_tokens,
-        on_tokens=on_tokens,
-        next_token=next_token,
-    )
+    return target_only_loop(gen, next_token=next_token)
 
 
 def speculate(
+    gen: Generation,
     *,
-    target: CachedLM,
-    assistant: CachedLM,
-    bridge: Bridge,
-    target_eos: frozenset[int],
-    assistant_eos: frozenset[int],
-    prompt_target_ids: Sequence[int],
-    prompt_assistant_ids: Sequence[int],
+    assistant: Assisting,
     plan: Plan,
-    max_new_tokens: int,
     sampling: SamplingConfig | None = None,
-    intersection: Intersection | None = None,
-    on_tokens: OnTokens | None = None,
     keep_steps: bool = False,
 ) -> LoopOutput:
     """UAG: the target's own output (greedy), or its own distribution (``sampling``), in fewer
@@ -93,43 +85,37 @@ def speculate(
 
     Greedy: the assistant drafts its argmax, the drafted text is re-encoded into target ids,
     and the target keeps the prefix equal to its own argmax. Sampling (TLI, Timor et al., ICML
-    2025; needs ``intersection``): the assistant drafts from its distribution restricted to
-    tokens that are exactly one target token, and speculative sampling accepts or resamples.
-    ``plan`` chooses each round's action: a step, a copy from its prompt lookup
+    2025; needs ``assistant.intersection``): the assistant drafts from its distribution
+    restricted to tokens that are exactly one target token, and speculative sampling accepts or
+    resamples. ``plan`` chooses each round's action: a step, a copy from its prompt lookup
     (``plan.lookup``), or an assistant draft (the assistant catches up on copied text the next
-    time it drafts). ``keep_steps`` (collection) keeps each round's draft steps (and, sampling, their soft
-    labels).
+    time it drafts). ``keep_steps`` (collection) keeps each round's draft steps (and, sampling,
+    their soft labels).
     """
     verifier: Verifier
     draw: DraftDistribution
     if sampling is None:
         verifier = GreedyVerifier()
-        draw = GreedyDraft(bridge=bridge, assistant_eos=assistant_eos)
+        draw = GreedyDraft(bridge=assistant.bridge, assistant_eos=assistant.eos)
     else:
-        if intersection is None:
+        if assistant.intersection is None:
             raise ValueError("speculative sampling needs the pair's intersection")
         # the drafts' draws and the TLI coins from one stream; each position's own sample keyed
-        gen, own = sampling.streams()
-        verifier = SamplingVerifier(sampling=sampling, gen=gen, own=own)
-        draw = SampledDraft(intersection=intersection, sampling=sampling, gen=gen)
+        gen_draws, own = sampling.streams()
+        verifier = SamplingVerifier(sampling=sampling, gen=gen_draws, own=own)
+        draw = SampledDraft(intersection=assistant.intersection, sampling=sampling, gen=gen_draws)
     session = Session(
-        target=target,
-        bridge=bridge,
-        target_eos=target_eos,
-        prompt_ids=prompt_target_ids,
-        max_new_tokens=max_new_tokens,
+        gen=gen,
+        bridge=assistant.bridge,
         verifier=verifier,
         keep_steps=keep_steps,
         # Target statistics and per-step re-encodings cost a little: only when someone reads them.
         rich=keep_steps or plan.needs_features,
     )
     runner = PlanRunner(plan)
-    runner.begin(
-        Sources(
-            lookup=LookupDrafter(plan.lookup) if plan.lookup is not None else None,
-            assistant=AssistantDrafter(
-                assistant=assistant, prompt_ids=prompt_assistant_ids, policy=runner, draw=draw
-            ),
-        )
+    drafter = AssistantDrafter(
+        assistant=assistant.lm, prompt_ids=assistant.prompt_ids, policy=runner, draw=draw
     )
-    return decode(session=session, choice=runner, on_tokens=on_tokens)
+    lookup = LookupDrafter(plan.lookup) if plan.lookup is not None else None
+    runner.begin(Sources(lookup=lookup, assistant=drafter))
+    return decode(session=session, choice=runner)

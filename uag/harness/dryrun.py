@@ -26,7 +26,7 @@ import torch
 from uag.api import speculate_on
 from uag.decoding.plan import Plan
 from uag.decoding.profile import LatencyProfile
-from uag.decoding.round import IterationRecord, LoopOutput, target_only_loop
+from uag.decoding.round import Generation, IterationRecord, LoopOutput, target_only_loop
 from uag.runtime.runner import CachedLM
 
 
@@ -62,14 +62,10 @@ def record_trace(pair: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> T
         entropies.append(e)
         return head.ids[0]
 
-    out = target_only_loop(
-        target=target,
-        target_eos=pair.target.eos_ids,
-        prompt_ids=prompt_ids,
-        max_new_tokens=max_new_tokens,
-        on_tokens=None,
-        next_token=next_token,
+    gen = Generation(
+        target=target, eos=pair.target.eos_ids, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens
     )
+    out = target_only_loop(gen, next_token=next_token)
     return TargetTrace(
         prompt_ids=tuple(prompt_ids),
         ids=tuple(out.ids),
