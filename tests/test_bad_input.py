@@ -146,6 +146,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("collect", ["--explore", "2"], "--explore must be a probability"),
     ("collect", ["--explore", "nan"], "must be a finite number"),
     ("collect", ["--resume", "--overwrite"], "not allowed with"),
+    ("collect", ["--prompts", "report"], "never runs on the held-out report set"),
+    ("collect", ["--prompts", "mixed+report:test", "--plan"], "never runs on the held-out report"),
     # bench
     ("bench", ["--prompts", "{jsonl}", "--text-column", "prompt"], "has no column 'prompt'"),
     ("bench", ["--repeats", "0"], "--repeats"),

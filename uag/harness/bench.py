@@ -73,7 +73,7 @@ from uag.harness.distribution import (
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile, pair_sampler
 from uag.harness.plan_collect import OraclePlan
-from uag.harness.prompts import Prompt, load_prompts
+from uag.harness.prompts import Prompt, as_text, load_prompts
 from uag.recipes import lookup_lengths
 
 DEFAULT_POLICIES = "target-only,static-1,static-2,static-4,heuristic,confidence-0.4,entropy,transformers,learned,oracle"
@@ -288,6 +288,26 @@ class BenchReport:
     config: dict[str, Any] = field(default_factory=dict)
     profile: dict[str, Any] | None = None
     """The latency profile replay priced with (measured in slices across this run)."""
+    categories: list[str] = field(default_factory=list)
+    """Each prompt's category, in the order of every arm's ``per_prompt_seconds``."""
+
+    def by_category(self) -> dict[str, dict[str, tuple[float, tuple[float, float], int]]]:
+        """Each measured arm against target-only within each prompt category and over all
+        (``"all"``): ``{arm: {category: (speed-up, 95 % interval paired by prompt, prompts)}}``.
+        Empty when the prompts carry fewer than two categories."""
+        named = sorted(set(self.categories) - {""})
+        if len(named) < 2:
+            return {}
+        base = next(p for p in self.policies if p.name == "target-only")
+        groups = {"all": list(range(len(self.categories)))} | {
+            c: [i for i, mine in enumerate(self.categories) if mine == c] for c in named
+        }
+        out: dict[str, dict[str, tuple[float, tuple[float, float], int]]] = {}
+        for arm in self.policies:
+            if arm.simulated or not arm.seconds or arm is base:
+                continue
+            out[arm.name] = {c: _subset_ratio(base, arm, idx) for c, idx in groups.items()}
+        return out
 
     def comparisons(self) -> list[tuple[str, str, float, tuple[float, float]]]:
         """Each learned arm against every other measured arm but target-only: (learned,
@@ -325,6 +345,17 @@ class BenchReport:
             "prompts": self.prompts,
             "config": self.config,
             "profile": self.profile,
+            "by_category": {
+                arm: {
+                    c: {
+                        "speedup": round(r, 4),
+                        "interval_95": [round(v, 4) for v in ci],
+                        "prompts": n,
+                    }
+                    for c, (r, ci, n) in cells.items()
+                }
+                for arm, cells in self.by_category().items()
+            },
         }
 
     def markdown(self) -> str:
@@ -363,6 +394,7 @@ class BenchReport:
         if not sampled and not any(p.simulated for p in self.policies):
             # An empty column otherwise reads as "replay cannot predict these arms".
             lines += ["", NO_REPLAY_NOTE]
+        lines += self._category_table()
         pairs = self.comparisons()
         if pairs:
             lines += [
@@ -374,6 +406,36 @@ class BenchReport:
                 f"| {a} | {b} | {r:.3f}x | {ci[0]:.3f}–{ci[1]:.3f}x |" for a, b, r, ci in pairs
             ]
         return "\n".join(lines)
+
+    def _category_table(self) -> list[str]:
+        """Speed-up vs target-only per prompt category (with its 95 % interval), one row per
+        measured arm; nothing when the prompts carry no categories."""
+        cells = self.by_category()
+        if not cells:
+            return []
+        groups = list(next(iter(cells.values())))
+        counts = next(iter(cells.values()))
+        head = " | ".join(f"{c} ({counts[c][2]})" for c in groups)
+        lines = ["", f"| speed-up vs target-only, by category (prompts) | {head} |"]
+        lines.append("|---" * (len(groups) + 1) + "|")
+        for arm, row in cells.items():
+            shown = [f"{r:.2f}x ({ci[0]:.2f}–{ci[1]:.2f})" for r, ci, _ in row.values()]
+            lines.append(f"| {arm} | " + " | ".join(shown) + " |")
+        return lines
+
+
+def _subset_ratio(
+    base: PolicyResult, arm: PolicyResult, idx: list[int]
+) -> tuple[float, tuple[float, float], int]:
+    """``arm``'s tokens per second over ``base``'s on the prompts ``idx`` (every repeat), and
+    the 95 % interval when those prompts are resampled."""
+    b_s = [base.per_prompt_seconds[i] for i in idx]
+    a_s = [arm.per_prompt_seconds[i] for i in idx]
+    b_t = [base.per_prompt_tokens[i] for i in idx]
+    a_t = [arm.per_prompt_tokens[i] for i in idx]
+    ratio = (sum(a_t) / sum(a_s)) / (sum(b_t) / sum(b_s)) if sum(a_s) and sum(b_s) else 0.0
+    interval = bootstrap_interval(b_s, a_s, base_tokens=b_t, arm_tokens=a_t)
+    return ratio, interval, len(idx)
 
 
 NO_REPLAY_NOTE = (
@@ -640,7 +702,7 @@ def _replay_pass(
             pair,
             p.text,
             plan=RulePlan(StaticPolicy(k=ORACLE_LOOKAHEAD)),
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=budget(p, cfg),
             chat=cfg.chat,
             keep_steps=True,
         )
@@ -687,7 +749,7 @@ def _exact_predictions(
     runs: dict[str, list[dryrun.ReplayRun]] = {name: [] for name in policies}
     for p in prompts:
         target_ids, assistant_ids = _encoded(pair, p.text, chat=cfg.chat)
-        trace = dryrun.record_trace(pair, target_ids, cfg.max_new_tokens)
+        trace = dryrun.record_trace(pair, target_ids, budget(p, cfg))
         traces.append(trace)
         encoded.append(assistant_ids)
         for name, make_plan in policies.items():
@@ -766,18 +828,19 @@ def run_bench(cfg: BenchConfig, *, extra_arms: dict[str, Arm] | None = None) -> 
     names = parse_policies(cfg.policies)
     cfg = _seeded(cfg, names=names)
     bench = _set_up(cfg, names=names, extra_arms=extra_arms)
+    run_cfg = bench.cfg
     results = {name: PolicyResult(name) for name in bench.arms}
     for arm in bench.arms.values():  # warm-up: kernels, allocator, thread pools; not timed
         arm(bench.prompts[0].text, 4, _first_seed(cfg))
     # Replay's prices are sampled across the timed runs, a slice after every prompt, as the
     # arms are: one measurement at one moment misprices a run these CPUs drift through.
     sampler = pair_sampler(bench.pair, max_candidates=MAX_CANDIDATES) if "oracle" in names else None
-    _time_arms(bench, cfg=cfg, results=results, sampler=sampler)
+    _time_arms(bench, cfg=run_cfg, results=results, sampler=sampler)
     _compare_with_target(results, sampled=cfg.sampling is not None)
     ordered = [results[n] for n in bench.arms]
     profile = None
     if sampler is not None:  # one long-lookahead pass: the oracle, and what replay predicts
-        profile = _replay_arms(bench, cfg=cfg, ordered=ordered, sampler=sampler)
+        profile = _replay_arms(bench, cfg=run_cfg, ordered=ordered, sampler=sampler)
     return _report(bench, cfg=cfg, ordered=ordered, profile=profile)
 
 
@@ -793,6 +856,8 @@ class _Bench:
     """Each uag speculative arm's plan factory: what exact replay runs for its prediction."""
     lengths: tuple[int, ...] | None
     """The copy lengths ``+lookup`` arms use (``uag calibrate``'s; None: the built-in ones)."""
+    cfg: BenchConfig
+    """The configuration the runs use: the prompts are rendered, so ``chat`` is off."""
 
 
 def _seeded(cfg: BenchConfig, *, names: list[str]) -> BenchConfig:
@@ -816,8 +881,12 @@ def _first_seed(cfg: BenchConfig) -> int | None:
 def _set_up(cfg: BenchConfig, *, names: list[str], extra_arms: dict[str, Arm] | None) -> _Bench:
     """The prompts, the pair and the arms on it (``extra_arms`` after the named ones). The
     calibrated copy lengths are looked up only when an arm copies (it may print a note)."""
-    prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    loaded = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
     pair = cfg.load_pair()
+    # Rendered once (conversations and --chat through the target's template): every arm and
+    # replay read the same text, and nothing downstream wraps it again.
+    prompts = [replace(p, text=as_text(pair, p, chat=cfg.chat), messages=None) for p in loaded]
+    cfg = replace(cfg, chat=False)
     policies: dict[str, ArmPlan] = {}
     lengths = None
     if any(parse_policy(name).lookup for name in names):
@@ -831,7 +900,9 @@ def _set_up(cfg: BenchConfig, *, names: list[str], extra_arms: dict[str, Arm] | 
         lookup_lengths=lengths,
     )
     arms.update(extra_arms or {})
-    return _Bench(prompts=prompts, pair=pair, arms=arms, policies=policies, lengths=lengths)
+    return _Bench(
+        prompts=prompts, pair=pair, arms=arms, policies=policies, lengths=lengths, cfg=cfg
+    )
 
 
 def _time_arms(
@@ -854,7 +925,7 @@ def _time_arms(
             runs: dict[str, ArmRun] = {}
             seed = None if seed0 is None else seed0 + rounds  # the same for every arm
             for name in rotated(order, rounds):  # each prompt runs every arm, order rotated
-                runs[name] = bench.arms[name](prompt.text, cfg.max_new_tokens, seed)
+                runs[name] = bench.arms[name](prompt.text, budget(prompt, cfg), seed)
                 bar.update(1)
                 bar.set_postfix(prompt=prompt.id[:20], arm=name)
             rounds += 1
@@ -959,7 +1030,13 @@ def _report(
         prompts=len(bench.prompts),
         config=config,
         profile=profile,
+        categories=[p.category for p in bench.prompts],
     )
+
+
+def budget(prompt: Prompt, cfg: BenchConfig) -> int:
+    """New tokens for ``prompt``: its own budget where its set gives one, else the run's."""
+    return prompt.max_new_tokens or cfg.max_new_tokens
 
 
 def _encoded(pair: Any, prompt: str, *, chat: bool) -> tuple[list[int], list[int]]:

@@ -40,7 +40,7 @@ from uag.decoding.sampling import SamplingConfig
 from uag.errors import UagError
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile
-from uag.harness.prompts import Prompt, load_prompts
+from uag.harness.prompts import Prompt, as_text, load_prompts, refuse_held_out
 from uag.paths import unwritable
 from uag.runtime.models import resolve_device
 
@@ -369,6 +369,7 @@ def collect_for_plan(cfg: CollectConfig, *, progress: bool = True) -> tuple[int,
     if cfg.shard != (0, 1):
         raise UagError("--plan runs as one process: leave out --shard")
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    refuse_held_out(prompts, command="uag collect")
     pair = cfg.load_pair()
     settings = {
         "target": cfg.target,
@@ -392,7 +393,7 @@ def collect_for_plan(cfg: CollectConfig, *, progress: bool = True) -> tuple[int,
         profile=lambda: measure_pair_profile(
             pair, max_candidates=MAX_CANDIDATES, repeats=cfg.profile_repeats, sampling=cfg.sampling
         ),
-        encode=lambda text: api.encode_prompt(pair, api.render_prompt(pair, text, chat=cfg.chat)),
+        encode=lambda prompt: api.encode_prompt(pair, as_text(pair, prompt, chat=cfg.chat)),
         progress=progress,
     )
 
@@ -455,6 +456,7 @@ def _open_shard(cfg: CollectConfig) -> _Shard:
     controller loads first, so a bad file fails before ``--overwrite`` deletes anything; shards
     a launcher started together let shard 0 clear the whole run before the others look."""
     prompts = load_prompts(cfg.prompts, text_column=cfg.text_column, limit=cfg.limit)
+    refuse_held_out(prompts, command="uag collect")
     i, n = cfg.shard
     mine = [p for k, p in enumerate(prompts) if k % n == i]
     learned = None
@@ -530,10 +532,9 @@ def _run_prompt(
         )
     out = api.generate(
         pair,
-        prompt.text,
+        as_text(pair, prompt, chat=cfg.chat),
         plan=RulePlan(policy),
         max_new_tokens=cfg.max_new_tokens,
-        chat=cfg.chat,
         keep_steps=True,
         sampling=sampling,
     )

