@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.tiny import cross_pair
+from tests.tiny import cross_pair, same_tokenizer_pair
 from uag import recipes
 from uag.cli import main
 from uag.decoding.lookup import PromptLookup
@@ -120,9 +120,18 @@ def test_calibrate_writes_the_file_and_generate_copies_its_lengths(
     argv = ["calibrate", *models, "--prompts", str(prompts), "--max-new-tokens", "12"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "replay predicts lookup alone" in out
+    assert "replay predicts lookup alone" in out and "fastest rule for this pair" in out
     files = list((tmp_path / "calibration").glob("lookup-*.json"))
     assert len(files) == 1 and recipes.load_calibration(files[0]) is not None
+    [rule_file] = (tmp_path / "calibration").glob("rule-*.json")
+    rule = recipes.load_rule(rule_file)
+    assert rule is not None and set(rule.candidates) == set(calibration.RULES)
+    # generate without --policy runs the calibrated rule, and says so
+    assert main(["generate", *models, "--prompt", REPEATING[1].text, "--json"]) == 0
+    said = capsys.readouterr()
+    shown = json.loads(said.out.strip().splitlines()[-1])
+    assert shown["policy"] == rule.rule
+    assert shown["plan_why"].startswith(f"{rule.rule}: the fastest rule for this pair")
 
     gen = ["generate", *models, "--policy", "lookup", "--prompt", REPEATING[0].text]
     gen += ["--max-new-tokens", "24", "--json", "--compare-target-only"]
@@ -141,3 +150,57 @@ def test_calibrate_writes_the_file_and_generate_copies_its_lengths(
     # one token a copy: never more copied than rounds; eleven: fewer rounds for the same text
     assert 0 < one["copied_tokens"] <= one["target_forwards"]
     assert eleven["target_forwards"] < one["target_forwards"]
+
+
+def _rule_profile(*, draft: float, per_candidate: float) -> LatencyProfile:
+    """A step of 10 ms, a draft step of ``draft`` steps, each candidate ``per_candidate``."""
+    verify = [0.010 * (1 + per_candidate * m) for m in range(12)]
+    return LatencyProfile(device="cpu:test", draft_s=0.010 * draft, verify_s=verify, step_s=0.010)
+
+
+@pytest.mark.parametrize(("draft", "drafts"), [(0.0, True), (5.0, False)])
+def test_the_rule_drafts_when_drafts_are_cheap_and_never_when_dear(tokenizers, draft, drafts):
+    """An assistant that mostly agrees with the target, on prompts that do not repeat: with
+    free draft steps and candidates the fastest rule drafts (a static-K); at five target steps
+    a draft step, no rule that drafts can win and lookup alone is chosen. Every candidate is
+    replayed and scored."""
+    pair = same_tokenizer_pair(tokenizers, noise=0.05)
+    prompts = [Prompt("a", "The weather today is"), Prompt("b", "import numpy as np")]
+    profile = _rule_profile(draft=draft, per_candidate=0.0)
+    rec = calibration.record(pair, prompts, max_new_tokens=16, profile=profile)
+    rule = calibration.choose_rule(pair, rec, lengths=(3, 5, 11))
+    assert set(rule.candidates) == set(calibration.RULES)
+    assert rule.candidates[rule.rule] == max(rule.candidates.values())
+    assert rule.predicted == pytest.approx(rule.candidates[rule.rule], abs=1e-4)
+    assert rule.rule.startswith("static-") is drafts, rule
+    assert rule.profile["draft_s"] == pytest.approx(0.010 * draft)
+
+
+def test_a_calibrated_rule_is_the_default_plan_of_its_pair_only(tokenizers, tmp_path, monkeypatch):
+    monkeypatch.setattr(recipes, "cache_root", lambda: tmp_path)
+    pair = cross_pair(tokenizers)
+    assert "uag calibrate with this pair chooses" in recipes.default_plan(pair).why
+    saved = recipes.RuleCalibration(
+        rule="static-2",
+        predicted=1.28,
+        candidates={"static-2": 1.28, "lookup": 1.02},
+        profile={},
+        machine="cpu x",
+        prompts=6,
+        max_new_tokens=64,
+    )
+    recipes.save_calibration(saved, recipes.rule_path(pair))
+    assert recipes.load_rule(recipes.rule_path(pair)) == saved
+    recipe = recipes.default_plan(pair)
+    assert recipe.plan.name == "static-2" and "uag calibrate chose" in recipe.why
+    assert recipes.default_plan(pair, sampling=True).plan.name == "static-3+lookup"
+    other = replace(pair, assistant=replace(pair.assistant, ref="another"))
+    assert recipes.rule_path(other) != recipes.rule_path(pair)  # a rule drafts: per assistant
+    assert recipes.default_plan(other).plan.name == "static-3+lookup"
+    for damage in (
+        "{",
+        json.dumps({**json.loads(recipes.rule_path(pair).read_text()), "rule": "learned"}),
+    ):
+        recipes.rule_path(pair).write_text(damage)
+        with pytest.raises(UagError, match="damaged.*uag calibrate again"):
+            recipes.load_rule(recipes.rule_path(pair))

@@ -100,6 +100,7 @@ def _pair(**changes) -> SimpleNamespace:
         assistant=SimpleNamespace(ref=DEFAULT_ASSISTANT),
         assistant_int8=True,
         kernels="native",
+        draft_vocab=None,
     )
     return SimpleNamespace(**{**fields, **changes})
 

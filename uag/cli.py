@@ -43,7 +43,7 @@ from uag.harness.bench import (
 from uag.harness.calibration import CalibrateConfig
 from uag.harness.collect import CollectConfig, collect, collect_for_plan, parse_shard
 from uag.harness.jobs import RunConfig, load_pair_of
-from uag.harness.prompts import load_prompts
+from uag.harness.prompts import load_prompts, refuse_held_out
 from uag.kernels.choice import KERNEL_CHOICES, resolve_kernels
 from uag.paths import cache_root
 from uag.runtime import models, prepared
@@ -452,7 +452,9 @@ def run_generate(args: argparse.Namespace) -> int:
         result, reference, identical = run.compared(stream=None if args.json else _stream)
     else:
         result, reference, identical = run.once(stream=None if args.json else _stream), None, True
-    return _print_generate(args, result, reference, identical=identical, sampling=sampling)
+    return _print_generate(
+        args, result, reference, identical=identical, sampling=sampling, why=request.why
+    )
 
 
 @dataclass
@@ -463,6 +465,8 @@ class PlanRequest:
 
     spec: PolicySpec | None
     controller: LearnedPlan | LearnedPolicy | None = None
+    why: str | None = None
+    """Once ``resolve`` took the product's default plan: which one and why, in one line."""
 
     def resolve(self, pair: api.Pair, args: argparse.Namespace, *, sampling: bool) -> Plan | None:
         """The plan to run on the loaded ``pair`` (None: the target alone)."""
@@ -478,7 +482,9 @@ class PlanRequest:
             lookup = self.spec.make_lookup(recipes.lookup_lengths(pair)) if self.spec else None
             return self.controller.as_plan(lookup)
         if self.spec is None:
-            return pair.default_plan(sampling=sampling).plan
+            recipe = pair.default_plan(sampling=sampling)
+            self.why = f"uag: {'sampling' if sampling else 'greedy'} plan: {recipe.why}"
+            return recipe.plan
         if self.spec.kind == "target-only":
             return None
         return self.spec.plan(
@@ -571,9 +577,13 @@ def _print_generate(
     *,
     identical: bool,
     sampling: Sampling | None,
+    why: str | None = None,
 ) -> int:
-    """The stats line (or ``--json``'s object); exit 1 when the compared outputs differ."""
+    """The stats line (or ``--json``'s object); exit 1 when the compared outputs differ.
+    ``why``: which default plan ran and why (``--json``: its ``plan_why``)."""
     summary = result.summary()
+    if why:
+        summary["plan_why"] = why.split(": ", 2)[-1]
     if sampling is not None:
         summary["sampling"] = sampling.summary()
     if reference is not None:
@@ -586,6 +596,8 @@ def _print_generate(
         print(json.dumps(summary, ensure_ascii=False))
     else:
         print()
+        if why:
+            print(why, file=sys.stderr)
         print(_stats_line(result, sampling))
         if reference is not None:
             verdict = "token-identical" if identical else "DIFFERENT (a bug: please report)"
@@ -1066,30 +1078,42 @@ def run_calibrate(args: argparse.Namespace) -> int:
     adopted = settle_model_args(args)
     cfg = config_from_args(calibration.CalibrateConfig, args)
     prompts = load_prompts(cfg.prompts, limit=cfg.limit)
+    refuse_held_out(prompts, command="uag calibrate")
     pair = cfg.load_pair()
     if adopted:
         print(adopted, file=sys.stderr)
-    bar = tqdm(total=len(prompts) + 2, desc="calibrate", unit="step")
+    bar = tqdm(total=len(prompts) + 3, desc="calibrate", unit="step")
 
     def progress(what: str) -> None:
         bar.set_postfix_str(what[:60])
         bar.update(1)
 
-    result = calibration.calibrate_lookup(
-        pair, prompts, max_new_tokens=cfg.max_new_tokens, progress=progress
-    )
+    rec = calibration.record(pair, prompts, max_new_tokens=cfg.max_new_tokens, progress=progress)
+    progress("searching copy lengths by exact replay")
+    lookup = calibration.search_lookup(pair, rec)
+    progress(f"replaying {len(calibration.RULES)} rules")
+    rule = calibration.choose_rule(pair, rec, lengths=lookup.lengths)
     bar.close()
-    path = recipes.calibration_path(pair)
-    recipes.save_calibration(result, path)
-    shown = "/".join(map(str, result.lengths))
+    lookup_file, rule_file = recipes.calibration_path(pair), recipes.rule_path(pair)
+    recipes.save_calibration(lookup, lookup_file)
+    recipes.save_calibration(rule, rule_file)
+    shown = "/".join(map(str, lookup.lengths))
     built_in = "/".join(map(str, PromptLookup().max_tokens))
     print(
         f"prompt lookup copies {shown} tokens after a 1/2/3+-token match on this machine "
-        f"({result.machine}): replay predicts lookup alone at {result.predicted:.2f}x the target "
-        f"alone on {result.prompts} prompts, the built-in {built_in} at "
-        f"{result.default_predicted:.2f}x"
+        f"({lookup.machine}): replay predicts lookup alone at {lookup.predicted:.2f}x the target "
+        f"alone on {lookup.prompts} prompts, the built-in {built_in} at "
+        f"{lookup.default_predicted:.2f}x"
     )
-    print(f"wrote {path}; uag generate and uag bench use it for +lookup policies on this pair")
+    runners_up = sorted(rule.candidates.items(), key=lambda kv: -kv[1])[1:4]
+    print(
+        f"fastest rule for this pair: {rule.rule} at {rule.predicted:.2f}x the target alone "
+        f"(then {', '.join(f'{name} {v:.2f}x' for name, v in runners_up)})"
+    )
+    print(
+        f"wrote {lookup_file} and {rule_file}: uag generate and uag bench copy with these "
+        "lengths, and a pair without a trained plan runs this rule by default"
+    )
     return 0
 
 
@@ -1171,7 +1195,7 @@ COMMANDS: dict[str, Command] = {
          _add_train_args, run_train),
         ("bench", "compare policies side by side on the same prompts (speed-ups, equality checked)",
          _add_bench_args, run_bench_cmd),
-        ("calibrate", "choose prompt lookup's copy lengths for this machine by exact replay (~2 min)",
+        ("calibrate", "choose copy lengths and the fastest rule for this pair on this machine by exact replay",
          _add_calibrate_args, run_calibrate),
         ("models", "list embedded models or convert them ahead of time",
          _add_models_args, run_models),

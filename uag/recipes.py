@@ -8,9 +8,11 @@ got a slower product than a CLI user. The CLI now only parses flags and prints w
 decided.
 
 * ``default_plan(pair)``: the shipped plan where it was trained for the run (the default pair,
-  the int8 assistant, uag's native CPU kernels; greedy, or the sampling plan under sampling),
-  else ``static-3`` with prompt lookup first. Either copies with this machine's calibrated
-  lengths where ``uag calibrate`` has run (``lookup_lengths``).
+  the int8 assistant, uag's native CPU kernels; greedy, or the sampling plan under sampling);
+  else the training-free rule ``uag calibrate`` chose for this pair on this machine by exact
+  replay (``calibrated_rule``: static-K, with or without lookup first, or lookup alone); else
+  ``static-3`` with prompt lookup first, saying that ``uag calibrate`` would choose. Copies use
+  this machine's calibrated lengths where ``uag calibrate`` has run (``lookup_lengths``).
 * ``plan_from_controller(path, pair)``: a controller file as a plan: a learned plan, or a stop
   controller with calibrated lookup first.
 * ``sampling_settings``: each of temperature, top-k and top-p from the caller, else the target's
@@ -32,6 +34,7 @@ import torch
 from controllers.learned_plan import load_controller
 from controllers.plans import RulePlan
 from controllers.rules import StaticPolicy
+from controllers.spec import parse_policy
 from uag.decoding.lookup import PromptLookup
 from uag.decoding.plan import Plan
 from uag.decoding.sampling import SamplingConfig
@@ -100,7 +103,7 @@ def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
     return cache_root() / "calibration" / f"lookup-{digest}.json"
 
 
-def save_calibration(calibration: LookupCalibration, path: Path) -> None:
+def save_calibration(calibration: LookupCalibration | RuleCalibration, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(calibration), indent=1) + "\n")
@@ -143,6 +146,64 @@ def calibrated_lookup(pair: Any, *, quiet: bool = True) -> PromptLookup:
     ``uag calibrate`` has not run)."""
     lengths = lookup_lengths(pair, quiet=quiet)
     return PromptLookup() if lengths is None else PromptLookup(max_tokens=lengths)
+
+
+# --- the training-free rule ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleCalibration:
+    """The fastest training-free rule for a pair on this machine (``uag calibrate``): every
+    candidate's speed-up over the target alone by exact replay, priced with the latency
+    profile measured then (kept here: this machine's prices for the pair)."""
+
+    rule: str
+    """A policy spec (``controllers.spec``): ``static-K``, ``static-K+lookup`` or ``lookup``."""
+    predicted: float
+    candidates: dict[str, float]
+    """Every rule replayed, by spec, and its predicted speed-up."""
+    profile: dict[str, Any]
+    """``LatencyProfile.to_dict()``: draft step, verify by candidate count, catch-up."""
+    machine: str
+    prompts: int
+    max_new_tokens: int
+
+
+def rule_path(pair: Any, *, machine: str | None = None) -> Path:
+    """Where ``pair``'s calibrated rule lives: unlike the copy lengths, a rule that drafts
+    depends on the assistant (its model, precision and draft vocabulary) as well."""
+    lib = native._library()[0] if pair.kernels == "native" else None
+    build = Path(getattr(lib, "_name", "")).name
+    key = json.dumps(
+        [
+            machine or machine_id(),
+            pair.target.ref,
+            pair.assistant.ref,
+            bool(pair.assistant_int8),
+            pair.draft_vocab,
+            pair.kernels,
+            str(pair.target.device),
+            build,
+        ]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "calibration" / f"rule-{digest}.json"
+
+
+def load_rule(path: Path) -> RuleCalibration | None:
+    """The calibrated rule at ``path``, None when there is none; a damaged file is an error."""
+    if not path.is_file():
+        return None
+    try:
+        rule = RuleCalibration(**json.loads(path.read_text()))
+        spec = parse_policy(rule.rule)
+        if not spec.is_rule or spec.kind == "bandit":
+            raise ValueError(f"{rule.rule!r} is not a training-free rule")
+    except (OSError, ValueError, TypeError, UagError) as exc:
+        raise UagError(
+            f"calibration file {path} is damaged ({exc}): run uag calibrate again or delete it"
+        ) from exc
+    return rule
 
 
 # --- the plan -----------------------------------------------------------------------------
@@ -192,10 +253,21 @@ def default_plan(pair: Any, *, sampling: bool = False) -> Recipe:
         path = shipped_controller(sampling=sampling)
         plan = plan_from_controller(path, pair)
         return Recipe(plan, f"the shipped {'sampling ' if sampling else ''}plan ({path.name})")
+    path = rule_path(pair)
+    rule = None if sampling else load_rule(path)  # chosen by greedy replay
+    if rule is not None:
+        lengths = lookup_lengths(pair, quiet=True)
+        plan = parse_policy(rule.rule).plan(lengths=lengths)
+        why = (
+            f"{rule.rule}: the fastest rule for this pair on this machine, as uag calibrate "
+            f"chose by exact replay ({rule.predicted:.2f}x the target alone; {path})"
+        )
+        return Recipe(plan, why)
     plan = RulePlan(StaticPolicy(k=FALLBACK_LOOKAHEAD), lookup=calibrated_lookup(pair))
     why = (
         f"{plan.name}: the shipped plan was trained for {DEFAULT_TARGET} <- {DEFAULT_ASSISTANT} "
-        "with the int8 assistant on uag's CPU kernels"
+        "with the int8 assistant on uag's CPU kernels; uag calibrate with this pair chooses the "
+        "fastest rule for it on this machine"
     )
     return Recipe(plan, why)
 

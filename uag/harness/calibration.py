@@ -21,25 +21,28 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from controllers.plans import RulePlan
-from uag.api import encode_prompt, render_prompt
+from controllers.spec import parse_policy
+from uag.api import encode_prompt
 from uag.decoding.lookup import PromptLookup
+from uag.decoding.plan import Plan
 from uag.decoding.profile import LatencyProfile
 from uag.decoding.round import MAX_CANDIDATES
 from uag.errors import UagError
 from uag.harness import dryrun
 from uag.harness.jobs import RunConfig
 from uag.harness.latency import measure_pair_profile
-from uag.recipes import (
-    LookupCalibration,
-    machine_id,
-)
+from uag.harness.prompts import as_text
+from uag.recipes import LookupCalibration, RuleCalibration, machine_id
 
 DEFAULT_PROMPTS = "humaneval:train+mixed:train"
 """What ``uag calibrate`` replays unless told otherwise: training prompts (bench's are test)."""
+MAX_DRAFT = 8
+"""The longest static draft ``choose_rule`` tries."""
 SWEEPS = 3
 """Coordinate-ascent sweeps at most (it stops at the first sweep that changes nothing)."""
 
@@ -80,6 +83,103 @@ def search_lengths(
     return best, rate(best)
 
 
+@dataclass
+class Recorded:
+    """What every search replays: the target alone recorded on each prompt, the prompts as the
+    assistant encodes them, and the latency profile that prices every replay."""
+
+    traces: list[dryrun.TargetTrace]
+    assistant_ids: list[list[int]]
+    profile: LatencyProfile
+    max_new_tokens: int
+
+
+def record(
+    pair: Any,
+    prompts: Sequence[Any],
+    *,
+    max_new_tokens: int,
+    chat: bool = False,
+    profile: LatencyProfile | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Recorded:
+    """Measure the profile (unless given: tests choose costs at will) and record the target
+    alone on ``prompts`` (``uag.harness.prompts.Prompt``s)."""
+    if not prompts:
+        raise UagError("calibration needs at least one prompt")
+    say = progress or (lambda _: None)
+    if profile is None:
+        say("measuring the latency profile (verify costs for 0-11 candidates)")
+        profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES)
+    traces: list[dryrun.TargetTrace] = []
+    assistant_ids: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        say(f"recording the target alone on prompt {i + 1}/{len(prompts)} ({prompt.id})")
+        target_ids, a_ids = encode_prompt(pair, as_text(pair, prompt, chat=chat))
+        traces.append(dryrun.record_trace(pair, target_ids, max_new_tokens))
+        assistant_ids.append(a_ids)
+    return Recorded(traces, assistant_ids, profile, max_new_tokens)
+
+
+def replayed_speedup(pair: Any, rec: Recorded, plan: Callable[[], Plan]) -> float:
+    """Exact replay's speed-up of ``plan`` (a fresh one per prompt) over the target alone, on
+    the recorded prompts, leaving out timed decisions (so a search is repeatable)."""
+    runs = [
+        dryrun.replay(pair, trace, plan(), prompt_assistant_ids=a_ids, profile=rec.profile)
+        for trace, a_ids in zip(rec.traces, rec.assistant_ids, strict=True)
+    ]
+    return dryrun.predicted_speedup(runs, rec.traces, rec.profile, timed_policy=False)
+
+
+def search_lookup(pair: Any, rec: Recorded) -> LookupCalibration:
+    """Prompt lookup's copy lengths, searched by replaying lookup alone (module docstring)."""
+
+    @functools.cache  # the built-in lengths are scored in the search and again for the report
+    def score(lengths: tuple[int, ...]) -> float:
+        return replayed_speedup(
+            pair, rec, lambda: RulePlan(None, lookup=PromptLookup(max_tokens=lengths))
+        )
+
+    default = PromptLookup().max_tokens
+    lengths, predicted = search_lengths(score, default, most=MAX_CANDIDATES)
+    return LookupCalibration(
+        lengths=lengths,
+        predicted=predicted,
+        default_predicted=score(default),
+        machine=machine_id(),
+        prompts=len(rec.traces),
+        max_new_tokens=rec.max_new_tokens,
+    )
+
+
+RULES = ("lookup",) + tuple(
+    f"static-{k}{suffix}" for suffix in ("", "+lookup") for k in range(1, MAX_DRAFT + 1)
+)
+"""The training-free rules ``choose_rule`` replays: lookup alone, and static-K for K = 1..8
+with and without lookup first."""
+
+
+def choose_rule(
+    pair: Any, rec: Recorded, *, lengths: tuple[int, ...], rules: Sequence[str] = RULES
+) -> RuleCalibration:
+    """The fastest of ``rules`` for ``pair`` by exact replay (lookup copying ``lengths``); a
+    tie keeps the earlier rule. What a pair without a trained plan runs by default."""
+    scores = {
+        rule: replayed_speedup(pair, rec, partial(parse_policy(rule).plan, lengths=lengths))
+        for rule in rules
+    }
+    best = max(scores, key=lambda rule: (scores[rule], -rules.index(rule)))
+    return RuleCalibration(
+        rule=best,
+        predicted=scores[best],
+        candidates={rule: round(v, 4) for rule, v in scores.items()},
+        profile=rec.profile.to_dict(),
+        machine=machine_id(),
+        prompts=len(rec.traces),
+        max_new_tokens=rec.max_new_tokens,
+    )
+
+
 def calibrate_lookup(
     pair: Any,
     prompts: Sequence[Any],
@@ -89,45 +189,8 @@ def calibrate_lookup(
     profile: LatencyProfile | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> LookupCalibration:
-    """Measure, record and search (module docstring); ``prompts`` are ``uag.harness.prompts.Prompt``s.
-    ``profile`` prices the replays instead of one measured now (tests: costs chosen at will)."""
-    if not prompts:
-        raise UagError("calibration needs at least one prompt")
-    say = progress or (lambda _: None)
-    if profile is None:
-        say("measuring the latency profile (verify costs for 0-11 candidates)")
-        profile = measure_pair_profile(pair, max_candidates=MAX_CANDIDATES)
-    prices = profile
-    traces: list[dryrun.TargetTrace] = []
-    assistant_ids: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        say(f"recording the target alone on prompt {i + 1}/{len(prompts)} ({prompt.id})")
-        target_ids, a_ids = encode_prompt(pair, render_prompt(pair, prompt.text, chat=chat))
-        traces.append(dryrun.record_trace(pair, target_ids, max_new_tokens))
-        assistant_ids.append(a_ids)
-
-    @functools.cache  # the built-in lengths are scored in the search and again for the report
-    def score(lengths: tuple[int, ...]) -> float:
-        runs = [
-            dryrun.replay(
-                pair,
-                trace,
-                RulePlan(None, lookup=PromptLookup(max_tokens=lengths)),
-                prompt_assistant_ids=a_ids,
-                profile=prices,
-            )
-            for trace, a_ids in zip(traces, assistant_ids, strict=True)
-        ]
-        return dryrun.predicted_speedup(runs, traces, prices, timed_policy=False)
-
-    say("searching copy lengths by exact replay")
-    default = PromptLookup().max_tokens
-    lengths, predicted = search_lengths(score, default, most=MAX_CANDIDATES)
-    return LookupCalibration(
-        lengths=lengths,
-        predicted=predicted,
-        default_predicted=score(default),
-        machine=machine_id(),
-        prompts=len(prompts),
-        max_new_tokens=max_new_tokens,
+    """Record and search the copy lengths alone (``record``, ``search_lookup``)."""
+    rec = record(
+        pair, prompts, max_new_tokens=max_new_tokens, chat=chat, profile=profile, progress=progress
     )
+    return search_lookup(pair, rec)
