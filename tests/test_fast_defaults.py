@@ -172,6 +172,26 @@ def test_the_library_and_the_cli_run_the_same_plan(tiny_dirs):
     assert request.resolve(pair, args, sampling=True) is pair.default_plan(sampling=True).plan
 
 
+def test_the_default_arm_and_policy_default_are_the_products_plan(tiny_dirs, tmp_path, capsys):
+    """``uag bench --policies default`` times the plan ``uag generate`` runs without a policy
+    (its name in the report is ``default``), and ``--policy default`` names it explicitly."""
+    from uag.harness.bench import BenchConfig, build_arms
+
+    pair = api.load_pair(*tiny_dirs)
+    cfg = BenchConfig(prompts="mixed", out=tmp_path, target=tiny_dirs[0], assistant=tiny_dirs[1])
+    policies: dict = {}
+    arms = build_arms(["target-only", "default"], pair, cfg, policies=policies)
+    assert list(arms) == ["target-only", "default"]
+    product = recipes.default_plan(pair).plan
+    assert policies["default"]().name == product.name
+    assert arms["default"]("ab ab ab", 4, None).ids == arms["target-only"]("ab ab ab", 4, None).ids
+    argv = ["generate", "--target", str(tiny_dirs[0]), "--assistant", str(tiny_dirs[1])]
+    assert cli.main([*argv, "--prompt", "x", "--policy", "default", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert shown["policy"] == product.name and shown["plan_why"].startswith(product.name)
+    assert cli.main([*argv, "--prompt", "x", "--policy", "default", "--lookahead", "2"]) == 2
+
+
 def test_help_says_int8_is_the_default_on_cpu_and_off_on_cuda(capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--help"])

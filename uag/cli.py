@@ -272,10 +272,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
         "or more, else the assistant drafts (the hybrid rule); bandit picks each round's arm "
         "(plain step, copy, static-1/2/4) by UCB1 on its tokens per second, per prompt; lookup "
         "alone uses no assistant drafts. The same names as uag bench "
-        "--policies (default: the product's plan, as uag.generate runs it: the shipped plan "
-        "(learned+lookup) for the default pair with the int8 assistant on uag's CPU kernels, "
-        "greedy or --sample; learned+lookup with --controller; else static-3+lookup; lookup "
-        "copies the lengths uag calibrate chose on this machine, where it has run)",
+        "--policies (default, or 'default': the product's plan, as uag.generate runs it: the "
+        "shipped plan (learned+lookup) for the default pair with the int8 assistant on uag's "
+        "CPU kernels, greedy or --sample; learned+lookup with --controller; else the rule uag "
+        "calibrate chose for the pair on this machine, else static-3+lookup; lookup copies the "
+        "lengths uag calibrate chose on this machine, where it has run)",
     )
     p.add_argument(
         "--controller",
@@ -481,7 +482,7 @@ class PlanRequest:
             )
             lookup = self.spec.make_lookup(recipes.lookup_lengths(pair)) if self.spec else None
             return self.controller.as_plan(lookup)
-        if self.spec is None:
+        if self.spec is None or self.spec.kind == "default":
             recipe = pair.default_plan(sampling=sampling)
             self.why = f"uag: {'sampling' if sampling else 'greedy'} plan: {recipe.why}"
             return recipe.plan
@@ -510,6 +511,8 @@ def _plan_request(args: argparse.Namespace) -> PlanRequest:
         raise UagError(f"--controller goes with the learned policy, not --policy {spec}")
     if spec.kind in ("transformers", "oracle"):
         raise UagError(f"{spec} is an arm of uag bench, not a policy to generate with")
+    if spec.kind == "default" and (args.lookahead is not None or args.threshold is not None):
+        raise UagError("--lookahead and --threshold go with a --policy that takes them")
     if spec.kind != "learned":
         if spec.is_rule:  # a flag the rule does not take fails now, not after the models load
             spec.plan(lookahead=args.lookahead, threshold=args.threshold)

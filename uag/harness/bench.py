@@ -52,7 +52,7 @@ from controllers.spec import parse_policy, parse_policy_list
 from training import replay
 from training.data import from_columns
 from training.replay import Prefill
-from uag import api
+from uag import api, recipes
 from uag.api import encode_prompt, render_prompt
 from uag.decoding.features import FEATURE_NAMES, SCHEMA_VERSION
 from uag.decoding.lookup import PromptLookup
@@ -641,6 +641,9 @@ def build_arms(
         lookup = partial(spec.make_lookup, lookup_lengths)
         if spec.kind == "target-only":
             factory = None
+        elif spec.kind == "default":  # the product's plan, reused run after run (begin resets it)
+            recipe = recipes.default_plan(pair, sampling=cfg.sampling is not None)
+            factory = partial(_the_plan, recipe.plan)
         elif spec.is_rule:
             factory = partial(spec.plan, lengths=lookup_lengths)
         elif spec.kind == "learned":  # spec.path: another controller beside --controller's
@@ -667,6 +670,11 @@ def build_arms(
         if factory is not None and policies is not None and spec.kind != "bandit":
             policies[name] = factory
     return arms
+
+
+def _the_plan(plan: Plan) -> Plan:
+    """``plan`` itself: the factory of an arm that reuses one plan (its ``begin`` resets it)."""
+    return plan
 
 
 def _learned_factory(
