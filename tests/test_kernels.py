@@ -146,6 +146,46 @@ def test_fused_native_linears_equal_their_parts_bitwise(int8):
     assert native.fuse([nn.Linear(40, 8), nn.Linear(40, 8)]) is None
 
 
+@needs_native
+def test_parts_in_different_exact_forms_fuse_as_integers_row_invariant():
+    """Qwen2's q and k are Q4_K (exact blocks of 32 once merged) and v is Q6_K (blocks of 16):
+    fused, all three are held as exact integers under one form (blocks of 16 with a base), not
+    widened to fp32. Every row count and path gives the same bits, the parts (views of the
+    fused weight) give its slices, and the sums stay within exact.c's bound of the float64
+    product."""
+    import copy
+
+    q, k = _q4k_like_linear(64, 1024, seed=1), _q4k_like_linear(16, 1024, seed=2)
+    v, _, _ = _integer_form("q6_k")
+    parts = [native.NativeLinear(m) for m in (q, k, v)]
+    if not all(p.to_integer() for p in copy.deepcopy(parts)):
+        pytest.skip("exact.c's fast paths (AVX-512 VNNI) unavailable here")
+    for p in parts:
+        p.to_integer()
+    assert {(p.x8_block, p.x8_affine) for p in parts} == {(32, True), (16, False)}
+    fused = native.fuse(parts)
+    assert fused is not None and fused.format is native.Format.EXACT
+    assert (fused.x8_block, fused.x8_affine) == (16, True)
+    x = torch.randn(17, 1024, generator=torch.Generator().manual_seed(4))
+    runs = []
+    try:
+        for amx, vnni in ((0, 0), (0, 1), (1, 1)):
+            fused.lib.uag_set_amx(amx)
+            fused.lib.uag_set_avx512vnni(vnni)
+            runs.append([fused(x[:m]) for m in range(1, 18)])
+    finally:
+        fused.lib.uag_set_amx(1)
+        fused.lib.uag_set_avx512vnni(1)
+    full = runs[0][-1]
+    assert all(torch.equal(y, full[:m]) for outs in runs for m, y in enumerate(outs, start=1))
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), full)
+    w = torch.cat([m.weight for m in (q, k, v)]).double()
+    b = torch.cat([m.bias for m in (q, k, v)]).double()
+    exact = x.double() @ w.T + b
+    scale = x.double().abs() @ w.abs().T + b.abs()
+    assert ((full.double() - exact).abs() / scale).max().item() <= 3 * 2.0**-24
+
+
 def _gguf_like_linear(out: int, width: int, *, steps: int, seed: int = 0) -> nn.Linear:
     """A linear whose weight is as GGUF's Q8_0 (``steps`` 127) or Q5_0 (16) de-quantises."""
     gen = torch.Generator().manual_seed(seed)
