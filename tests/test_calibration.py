@@ -59,9 +59,8 @@ def test_replay_copies_more_when_candidates_are_cheap_and_less_when_dear(
     one token. Either way replay rates the chosen lengths above the built-in ones, which were
     among the candidates; the price leaves out timed decisions, so the search is repeatable."""
     pair = cross_pair(tokenizers)
-    result = calibration.calibrate_lookup(
-        pair, REPEATING, max_new_tokens=24, profile=_profile(per_candidate)
-    )
+    rec = calibration.record(pair, REPEATING, max_new_tokens=24, profile=_profile(per_candidate))
+    result = calibration.search_lookup(pair, rec)
     built_in = PromptLookup().max_tokens
     if longer:
         assert sum(result.lengths) > sum(built_in), result

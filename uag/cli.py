@@ -1085,17 +1085,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
     pair = cfg.load_pair()
     if adopted:
         print(adopted, file=sys.stderr)
-    bar = tqdm(total=len(prompts) + 3, desc="calibrate", unit="step")
+    bar = tqdm(total=len(prompts) + 2 + len(calibration.RULES), desc="calibrate", unit="step")
 
     def progress(what: str) -> None:
         bar.set_postfix_str(what[:60])
         bar.update(1)
 
     rec = calibration.record(pair, prompts, max_new_tokens=cfg.max_new_tokens, progress=progress)
-    progress("searching copy lengths by exact replay")
+    bar.set_postfix_str("searching copy lengths by exact replay")
     lookup = calibration.search_lookup(pair, rec)
-    progress(f"replaying {len(calibration.RULES)} rules")
-    rule = calibration.choose_rule(pair, rec, lengths=lookup.lengths)
+    rule = calibration.choose_rule(pair, rec, lengths=lookup.lengths, progress=progress)
+    bar.update(1)
     bar.close()
     lookup_file, rule_file = recipes.calibration_path(pair), recipes.rule_path(pair)
     recipes.save_calibration(lookup, lookup_file)

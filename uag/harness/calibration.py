@@ -160,14 +160,22 @@ with and without lookup first."""
 
 
 def choose_rule(
-    pair: Any, rec: Recorded, *, lengths: tuple[int, ...], rules: Sequence[str] = RULES
+    pair: Any,
+    rec: Recorded,
+    *,
+    lengths: tuple[int, ...],
+    rules: Sequence[str] = RULES,
+    progress: Callable[[str], None] | None = None,
 ) -> RuleCalibration:
     """The fastest of ``rules`` for ``pair`` by exact replay (lookup copying ``lengths``); a
-    tie keeps the earlier rule. What a pair without a trained plan runs by default."""
-    scores = {
-        rule: replayed_speedup(pair, rec, partial(parse_policy(rule).plan, lengths=lengths))
-        for rule in rules
-    }
+    tie keeps the earlier rule. What a pair without a trained plan runs by default.
+    ``progress`` hears each rule as it is replayed."""
+    scores: dict[str, float] = {}
+    for rule in rules:
+        if progress is not None:
+            progress(f"replaying {rule}")
+        plan = partial(parse_policy(rule).plan, lengths=lengths)
+        scores[rule] = replayed_speedup(pair, rec, plan)
     best = max(scores, key=lambda rule: (scores[rule], -rules.index(rule)))
     return RuleCalibration(
         rule=best,
@@ -178,19 +186,3 @@ def choose_rule(
         prompts=len(rec.traces),
         max_new_tokens=rec.max_new_tokens,
     )
-
-
-def calibrate_lookup(
-    pair: Any,
-    prompts: Sequence[Any],
-    *,
-    max_new_tokens: int,
-    chat: bool = False,
-    profile: LatencyProfile | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> LookupCalibration:
-    """Record and search the copy lengths alone (``record``, ``search_lookup``)."""
-    rec = record(
-        pair, prompts, max_new_tokens=max_new_tokens, chat=chat, profile=profile, progress=progress
-    )
-    return search_lookup(pair, rec)
