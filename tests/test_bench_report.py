@@ -102,3 +102,39 @@ def test_a_sampled_arm_that_emits_fewer_tokens_is_not_counted_faster():
     report = BenchReport(policies=arms, machine="test", prompts=3, config={})
     [(_, _, ratio, (low, high))] = report.comparisons()
     assert abs(ratio - 1.0) < 1e-9 and abs(low - 1.0) < 1e-9 and abs(high - 1.0) < 1e-9
+
+
+def test_the_default_arm_is_compared_with_every_fixed_arm_too():
+    """``default`` (the product's plan) is a plan arm: compared with lookup and static-2, not
+    with a learned arm; per-prompt figures reach results.json for any later pairing."""
+    seconds = {
+        "target-only": [2.0, 4.0],
+        "default": [1.0, 2.0],
+        "lookup": [1.1, 2.2],
+        "learned": [1.2, 2.4],
+    }
+    arms = [
+        PolicyResult(
+            name,
+            runs=2,
+            seconds=sum(s),
+            per_prompt_seconds=s,
+            tokens=20,
+            per_prompt_tokens=[10, 10],
+        )
+        for name, s in seconds.items()
+    ]
+    report = BenchReport(policies=arms, machine="test", prompts=2, config={})
+    pairs = {(a, b): r for a, b, r, _ in report.comparisons()}
+    assert set(pairs) == {("default", "lookup"), ("learned", "lookup")}
+    assert abs(pairs[("default", "lookup")] - 1.1) < 1e-9
+    row = report.to_json()["policies"][1]
+    assert row["per_prompt_seconds"] == [1.0, 2.0] and row["per_prompt_tokens"] == [10, 10]
+
+
+def test_the_machine_line_names_the_cpu_and_its_vector_extensions():
+    from uag import recipes
+
+    isa = recipes.cpu_isa()
+    assert isa and "threads" in recipes.machine_id()
+    assert any(name in isa for name in ("AVX2", "AVX-512", "AMX", "no AVX2", "ISA unknown"))

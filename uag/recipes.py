@@ -89,6 +89,30 @@ def machine_id() -> str:
     return f"{name}, {torch.get_num_threads()} threads"
 
 
+def cpu_isa() -> str:
+    """The vector extensions uag's kernels choose between, as this CPU reports them
+    (``/proc/cpuinfo``'s flags): what a figure measured here depends on besides the model."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return "ISA unknown"
+    named = [
+        ("amx_tile", "AMX"),
+        ("avx512_vnni", "AVX-512 VNNI"),
+        ("avx512f", "AVX-512"),
+        ("avx_vnni", "AVX-VNNI"),
+        ("avx2", "AVX2"),
+    ]
+    have = [label for flag, label in named if flag in flags]
+    if "AVX-512 VNNI" in have:
+        have.remove("AVX-512")
+    return ", ".join(have) or "no AVX2"
+
+
 def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
     """Where the calibration for ``pair``'s target on this machine lives (a new kernels build,
     another CPU or thread count, target, kernels or device is another file). Lookup alone never

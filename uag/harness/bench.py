@@ -238,6 +238,8 @@ class PolicyResult(LoopCounts):
             "replay_seconds": None
             if self.predicted_seconds is None
             else round(self.predicted_seconds, 3),
+            "per_prompt_seconds": [round(t, 4) for t in self.per_prompt_seconds],
+            "per_prompt_tokens": list(self.per_prompt_tokens),
         }
 
 
@@ -310,14 +312,16 @@ class BenchReport:
         return out
 
     def comparisons(self) -> list[tuple[str, str, float, tuple[float, float]]]:
-        """Each learned arm against every other measured arm but target-only: (learned,
-        other, tokens-per-second ratio learned / other, its 95 % paired bootstrap interval over
-        prompts). Greedy arms emit the same tokens, so it is the time ratio other / learned."""
+        """Each plan arm (a learned one, or ``default``: the product's) against every other
+        measured arm but target-only and the other plan arms: (plan, other, tokens-per-second
+        ratio plan / other, its 95 % paired bootstrap interval over prompts). Greedy arms emit
+        the same tokens, so it is the time ratio other / plan."""
         measured = [p for p in self.policies if not p.simulated and p.seconds]
+        planned = [p for p in measured if p.name.startswith("learned") or p.name == "default"]
         out = []
-        for mine in (p for p in measured if p.name.startswith("learned")):
+        for mine in planned:
             for other in measured:
-                if other is mine or other.name == "target-only" or other.name.startswith("learned"):
+                if other.name == "target-only" or other in planned:
                     continue
                 ratio = rate_ratio(mine, other)
                 interval = bootstrap_interval(
@@ -399,7 +403,7 @@ class BenchReport:
         if pairs:
             lines += [
                 "",
-                "| learned arm | vs | speed-up (learned's tokens/s / the other's) | 95 % interval (paired by prompt) |",
+                "| plan arm | vs | speed-up (the plan's tokens/s / the other's) | 95 % interval (paired by prompt) |",
                 "|---|---|---|---|",
             ]
             lines += [
@@ -1024,8 +1028,8 @@ def _report(
     and the draft vocabulary the pair used, beside what was asked)."""
     pair = bench.pair
     machine = (
-        f"{platform.machine()} {platform.processor() or ''}".strip()
-        + f", {torch.get_num_threads()} threads, torch {torch.__version__}, device {pair.target.device}"
+        f"{recipes.machine_id()} ({platform.machine()}, {recipes.cpu_isa()}), torch "
+        f"{torch.__version__}, device {pair.target.device}"
     )
     config = {
         k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k != "progress"
