@@ -241,6 +241,48 @@ def test_a_wheel_install_finds_the_shipped_controller_and_prompts(tmp_path):
     assert int(count) == 31
 
 
+@pytest.mark.slow  # ~1 min: five fresh interpreters from the wheel; the probe above stays in CI
+def test_the_installed_wheel_holds_no_scripts_and_runs_every_command_elsewhere(tmp_path, tiny_dirs):
+    """Issue 58: the wheel holds the library, the CLI, the kernels and what the commands read,
+    not ``scripts/`` or ``tests/``; from it, outside the checkout, ``generate``, ``collect``,
+    ``train-controller`` and ``bench`` each run to exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.synthetic import write_run
+    from tests.wheel import install_wheel_elsewhere
+
+    site = install_wheel_elsewhere(tmp_path)
+    assert (site / "uag").is_dir() and (site / "controllers").is_dir()
+    assert not (site / "scripts").exists() and not (site / "tests").exists()
+    env = {
+        "PYTHONPATH": str(site),
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "UAG_CACHE": os.environ.get("UAG_CACHE", str(tmp_path / "cache")),
+        "OMP_NUM_THREADS": "1",
+    }
+    models = ["--target", str(tiny_dirs[0]), "--assistant", str(tiny_dirs[1])]
+    data = write_run(tmp_path / "run", prompts=4)
+    commands = [
+        ["generate", *models, "--prompt", "def f(x):", "--max-new-tokens", "4", "--json"],
+        ["collect", *models, "--prompts", "mixed", "--limit", "1", "--max-new-tokens", "4",
+         "--out", str(tmp_path / "collected")],
+        ["train-controller", "--data", str(data), "--out", str(tmp_path / "c.onnx"),
+         "--logdir", str(tmp_path / "tb"), "--max-epochs", "1"],
+        ["bench", *models, "--prompts", "mixed", "--limit", "1", "--max-new-tokens", "4",
+         "--policies", "target-only,default,static-2", "--out", str(tmp_path / "bench")],
+    ]  # fmt: skip
+    for argv in commands:
+        ran = subprocess.run(
+            [sys.executable, "-m", "uag", *argv], capture_output=True, text=True, cwd=tmp_path,
+            env=env,
+        )  # fmt: skip
+        assert ran.returncode == 0, (argv[0], ran.stderr[-2000:])
+    assert (tmp_path / "c.onnx").is_file() and (tmp_path / "bench" / "results.json").is_file()
+
+
 def test_the_runtime_never_imports_lightning():
     """Generating, collecting, benchmarking (its oracle replays) and the ONNX controller need
     no Lightning: only ``uag train-controller`` loads it."""
