@@ -118,13 +118,18 @@ def calibration_path(pair: Any, *, machine: str | None = None) -> Path:
     another CPU or thread count, target, kernels or device is another file). Lookup alone never
     runs the assistant, so the lengths are the target's: any assistant, int8 or not, uses them
     (a calibration without ``--assistant-int8`` serves ``generate --controller`` too)."""
+    return _calibration_file("lookup", pair, machine, [])
+
+
+def _calibration_file(kind: str, pair: Any, machine: str | None, more: list[Any]) -> Path:
+    """``$UAG_CACHE/calibration/{kind}-{digest}.json``, the digest over what every calibration
+    depends on (this CPU and thread count, the target, its kernels, device and the kernels'
+    build) and ``more``."""
     lib = native._library()[0] if pair.kernels == "native" else None
     build = Path(getattr(lib, "_name", "")).name
-    key = json.dumps(
-        [machine or machine_id(), pair.target.ref, pair.kernels, str(pair.target.device), build]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "calibration" / f"lookup-{digest}.json"
+    key = [machine or machine_id(), pair.target.ref, pair.kernels, str(pair.target.device), build]
+    digest = hashlib.sha256(json.dumps(key + more).encode()).hexdigest()[:16]
+    return cache_root() / "calibration" / f"{kind}-{digest}.json"
 
 
 def save_calibration(calibration: LookupCalibration | RuleCalibration, path: Path) -> None:
@@ -196,22 +201,8 @@ class RuleCalibration:
 def rule_path(pair: Any, *, machine: str | None = None) -> Path:
     """Where ``pair``'s calibrated rule lives: unlike the copy lengths, a rule that drafts
     depends on the assistant (its model, precision and draft vocabulary) as well."""
-    lib = native._library()[0] if pair.kernels == "native" else None
-    build = Path(getattr(lib, "_name", "")).name
-    key = json.dumps(
-        [
-            machine or machine_id(),
-            pair.target.ref,
-            pair.assistant.ref,
-            bool(pair.assistant_int8),
-            pair.draft_vocab,
-            pair.kernels,
-            str(pair.target.device),
-            build,
-        ]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "calibration" / f"rule-{digest}.json"
+    more = [pair.assistant.ref, bool(pair.assistant_int8), pair.draft_vocab]
+    return _calibration_file("rule", pair, machine, more)
 
 
 def load_rule(path: Path) -> RuleCalibration | None:
