@@ -14,6 +14,7 @@ from controllers.rules import StaticPolicy
 from tests.nasty import NASTY_PROMPTS
 from tests.tiny import (
     cross_pair,
+    integer_products_excess,
     one_row_vs_chunked_logits,
     q4_k_like,
     q8_0_like,
@@ -152,7 +153,7 @@ def test_parts_in_different_exact_forms_fuse_as_integers_row_invariant():
     fused, all three are held as exact integers under one form (blocks of 16 with a base), not
     widened to fp32. Every row count and path gives the same bits, the parts (views of the
     fused weight) give its slices, and the sums stay within exact.c's bound of the float64
-    product."""
+    product (its activation grid, then a few float roundings)."""
     import copy
 
     q, k = _q4k_like_linear(64, 1024, seed=1), _q4k_like_linear(16, 1024, seed=2)
@@ -179,11 +180,9 @@ def test_parts_in_different_exact_forms_fuse_as_integers_row_invariant():
     full = runs[0][-1]
     assert all(torch.equal(y, full[:m]) for outs in runs for m, y in enumerate(outs, start=1))
     assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), full)
-    w = torch.cat([m.weight for m in (q, k, v)]).double()
-    b = torch.cat([m.bias for m in (q, k, v)]).double()
-    exact = x.double() @ w.T + b
-    scale = x.double().abs() @ w.abs().T + b.abs()
-    assert ((full.double() - exact).abs() / scale).max().item() <= 3 * 2.0**-24
+    w = torch.cat([m.weight for m in (q, k, v)])
+    b = torch.cat([m.bias for m in (q, k, v)])
+    assert integer_products_excess(full, x, w, b, block=16) <= 3
 
 
 def _gguf_like_linear(out: int, width: int, *, steps: int, seed: int = 0) -> nn.Linear:
@@ -844,6 +843,9 @@ def test_full_head_sampling_reads_includes_the_bias(form):
     screened = ScreenedHead(head)
     assert (screened.exact is not None) == (form == "block_int8")
     full = screened.full_head()(x).double()
+    if form == "block_int8":  # exact.c's grid where the CPU has AVX-512 VNNI
+        assert integer_products_excess(full, x, head.weight, head.bias, block=32) <= 8
+        return
     w = head.weight.double()
     reference = x.double() @ w.T + head.bias.double()
     scale = x.double().abs() @ w.abs().T + head.bias.double().abs()
@@ -879,13 +881,50 @@ def _integer_form(form: str) -> tuple[nn.Linear, int, bool]:
 
 
 @needs_native
+def test_integer_products_round_activations_to_each_blocks_own_grid():
+    """``exact.c`` holds an activation as 15-bit integers on its block's own power-of-two grid
+    (step 2^(e - 14), e the exponent of the block's largest |x|, at least the row's largest
+    less 64): through a weight of 0.5 on the diagonal every output is exactly half its input
+    on that grid, on every path. Why each block: one outlier channel must not coarsen the
+    rest of its row (a grid per row fails this test), nor a far smaller block vanish."""
+    linear = nn.Linear(96, 96, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(0.5 * torch.eye(96))
+    layer = native.NativeLinear(linear)
+    if not layer.to_integer(anywhere=True):
+        pytest.skip("exact.c's layout does not hold this weight here")
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 96, generator=gen)
+    x[0, 3] = 900.0  # an outlier in block 0 only
+    x[1, 40:64] *= 1e-30  # a block ~2^100 under its row's largest: held to 2^-64 of it
+    x[2, 70] = 2.0**-3 * (1 + 2.0**-20)  # a value the grid rounds
+    x[3] = 0.0
+    x64 = x.double()
+    top = x64.abs().reshape(5, 3, 32).amax(-1)
+    e = torch.frexp(top)[1].double()  # top < 2^e
+    e = torch.maximum(e, e.amax(-1, keepdim=True) - 64).repeat_interleave(32, dim=-1)
+    step = torch.pow(2.0, e - 14)
+    expected = 0.5 * torch.round(x64 / step) * step  # round half to even, as the kernel
+    lib = layer.lib
+    try:
+        for amx, vnni in ((0, 0), (0, 1), (1, 1)):
+            lib.uag_set_amx(amx)
+            lib.uag_set_avx512vnni(vnni)
+            assert torch.equal(layer(x).double(), expected.float().double())
+    finally:
+        lib.uag_set_amx(1)
+        lib.uag_set_avx512vnni(1)
+
+
+@needs_native
 @pytest.mark.parametrize("form", ["q8_0", "q5_0", "q4_k", "q6_k", "k16"])
 def test_integer_products_give_the_same_bits_on_every_path_and_row_count(form):
     """exact.c sums exact integers, so AMX, AVX-512 VNNI and the scalar reference give the same
-    bits for every row count; the result is within 3 fp32 roundings (of sum |x| |w|) of the
-    float64 product, closer than fp32's own multiply-add chain, for rows with an outlier channel, a zero row
-    (the bias, exactly), a row near fp32's smallest normal and one far above 1; a non-finite row
-    is NaN and leaves the others alone."""
+    bits for every row count; the result is within its activation grid (2^-14 of each block's
+    largest value) and 3 fp32 roundings (of sum |x| |w|) of the float64 product, for rows with
+    an outlier channel, a zero row (the bias, exactly), a row near fp32's smallest normal and
+    one far above 1; the outlier channel coarsens only its own block (a grid per row would
+    not meet the bound); a non-finite row is NaN and leaves the others alone."""
     import copy
 
     linear, block, affine = _integer_form(form)
@@ -916,12 +955,7 @@ def test_integer_products_give_the_same_bits_on_every_path_and_row_count(form):
         for m, y in enumerate(outs, start=1):
             assert torch.equal(y, full[:m])
     assert torch.equal(full[3], linear.bias.detach())
-    w64, x64 = linear.weight.double(), x.double()
-    exact = x64 @ w64.T + linear.bias.double()
-    scale = x64.abs() @ w64.abs().T + linear.bias.double().abs()
-    ours = ((full.double() - exact).abs() / scale).max().item()
-    fp32 = ((blocked(x).double() - exact).abs() / scale).max().item()
-    assert ours <= 3 * 2.0**-24 and ours < fp32  # measured: ~1-1.5 units against fp32's ~5
+    assert integer_products_excess(full, x, linear.weight, linear.bias, block=block) <= 3
     x[7, 9] = float("nan")
     broken = layer(x)
     assert torch.isnan(broken[7]).all() and torch.equal(broken[8:], full[8:])

@@ -82,6 +82,27 @@ def one_row_vs_chunked_logits(lm, prompt: list[int], tokens: list[int], seed: in
     return torch.stack(alone), torch.cat(chunked)
 
 
+def integer_products_excess(
+    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *, block: int
+) -> float:
+    """How far ``exact.c``'s products ``y`` of ``x @ w.T + b`` stray beyond what its activation
+    grid allows, in float roundings of sum |x||w|: the largest of
+    (|y - exact| - 2^-14 sum_b max|x_b| sum_(k in b) |w_k|) / (2^-24 sum |x||w|) (every value
+    of x is within 2^-15 of its block's grid step, 2^-14 of the block's largest; the rest is
+    float rounding). The grid term is a worst case (every rounding the same way), so the
+    kernel measures far below 0 (~-2,500 on random blocks); a wrong block exponent or a
+    dropped byte is tens of thousands of units over. The grid itself is tested exactly in
+    tests/test_kernels.py (a diagonal weight)."""
+    x64, w64 = x.double(), w.double()
+    exact = x64 @ w64.T + (b.double() if b is not None else 0.0)
+    scale = x64.abs() @ w64.abs().T + (b.double().abs() if b is not None else 0.0)
+    blocks = x64.shape[-1] // block
+    top = x64.abs().reshape(*x64.shape[:-1], blocks, block).amax(-1)  # [rows, blocks]
+    wsum = w64.abs().reshape(w64.shape[0], blocks, block).sum(-1)  # [out, blocks]
+    grid = 2.0**-14 * (top @ wsum.T)
+    return (((y.double() - exact).abs() - grid) / (2.0**-24 * scale)).max().item()
+
+
 def tiny_gemma(vocab: int, *, seed: int = 0, sliding_window: int = 8):
     """A 2-layer Gemma 3 with a tiny sliding window, so crops past the window happen early."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

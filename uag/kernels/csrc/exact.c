@@ -3,26 +3,34 @@
  * Why: skinny.c's block paths (b8, a8) widen every weight to fp32 and spend one multiply-add
  * per weight and row, so a forward is bound by those instructions, not by the bytes: Gemma 3's
  * body took ~8 ms for one row and ~13.5 ms for 8 on these 2 cores. Here the products are
- * integer, 64 (vpdpbusd) or 1024 (an AMX tile multiply) per instruction, and exact:
+ * integer, 64 (vpdpbusd) or 1024 (an AMX tile multiply) per instruction, and row-count
+ * invariant by construction:
  *
- *   - each activation row becomes integers on a power-of-two grid, x^ = round(x * 2^(30 - e))
- *     with max|x| < 2^e: 31 bits, every value to within 2^-31 of the row's largest, split
- *     into four bytes (x^ = 2^24 T + 2^16 D2 + 2^8 D1 + D0, D unsigned, T = x^ >> 24 in
- *     -64..64 and stored as T + 64 so vpdpbusd's u8 x s8 products take every byte);
+ *   - each activation block (the weights' block of 32 or 16 inputs) becomes integers on its
+ *     own power-of-two grid, x^ = round(x * 2^(14 - e_b)) with max|x_b| < 2^e_b: 15 bits,
+ *     every value to within 2^-15 of its block's largest (2^-14 of the largest itself), split
+ *     into two bytes (x^ = 2^8 T + D, D unsigned, T = x^ >> 8 in -64..64 and stored as T + 64
+ *     so vpdpbusd's u8 x s8 products take every byte). A block's own exponent keeps an outlier
+ *     channel from coarsening the rest of its row (llama.cpp rounds activations to 8 bits per
+ *     256); e_b is held to at least the row's largest less XSPAN, so a block's factor
+ *     2^(e_b - E) times a weight scale stays a normal float;
  *   - the weight integers q of each block (int8: Q8_0 / Q5_0 de-quantised from GGUF, scale s
  *     per block of 32; the k-quants' q with scale s, and base b where it is not a whole number
  *     of steps, per block of 32 or 16) meet each byte in exact int32 sums P_d, and with
- *     S = sum q the block's exact v = sum x^ q = 2^24 (P3 - 64 S) + 2^16 P2 + 2^8 P1 + P0 is
- *     held as two exact int32 halves, hi = 2^8 (P3 - 64 S) + P2 and lo = 2^8 P1 + P0;
+ *     S = sum q the block's exact v = sum x^ q = 2^8 (P1 - 64 S) + P0, |v| < 2^27;
  *   - each block meets its scale once, in float, block after block:
- *     acc = fma(s, fma(hi, 2^16, lo), acc) (then acc = fma(b, sum x^, acc) for the affine
- *     format, sum x^ as two exact floats), and y = acc * 2^(e - 30) + bias.
+ *     acc = fma(s * 2^(e_b - E), float(v), acc) (then acc = fma(b, 2^(e_b - E) sum x^, acc)
+ *     for the affine format, that sum exact in one float), and y = acc * 2^(E - 14) + bias,
+ *     E the row's largest e_b.
  *
  * Integer sums do not depend on their order, and the float steps after them are the same on
  * every path, so AMX, AVX-512 VNNI and the scalar reference, and every row count, give the same
- * bits: the row-count invariance lossless verification needs, by construction. Against the
- * exact product the error is ~1-1.5 float roundings of sum |x| |w|, where fp32's multiply-add
- * chain makes ~5 (tests/test_kernels.py measures both against float64).
+ * bits: the row-count invariance lossless verification needs. Why two bytes and not four
+ * (31 bits a row, before 2026-12-08): an extra verified row costs its byte products, and with
+ * four planes they were most of it (the 1.5B Qwen target's 1.5 G multiply-accumulates a row
+ * are 6 G vpdpbusd lanes, >= 13 ms on two Zen 4 cores). Against the exact product the error is
+ * at most 2^-14 of sum_b max|x_b| sum_k |w_k| (the activations' grid) plus ~1-3 float roundings
+ * of sum |x| |w| (tests/test_kernels.py checks that bound against float64).
  *
  * Layout: q as [N/16][K/4][16][4] (sixteen outputs' four consecutive weights side by side: one
  * 64-byte load per quad for vpdpbusd, and a block's 8 (or 4) quads are one AMX B tile);
@@ -48,102 +56,101 @@
 
 #define XL 16     /* outputs per group: one 512-bit vector of int32 sums */
 #define XQ 4      /* consecutive inputs per output in one 32-bit lane */
-#define XAMX_ROWS 8 /* rows per AMX pass with two tile sets: 4 planes each, two tiles of 16 */
-#define XAMX_WIDE 12 /* rows per pass for 9-12 rows, one tile set of three (a 9-row verify);
-                        * more rows (a prompt) take passes of XAMX_ROWS: overlapping products
-                        * and sums paid more than the fewer passes (Gemma's 115-token prefill
-                        * 154 -> 136 ms) */
+#define XD 2     /* bytes (planes) per activation value */
+#define XBITS 14 /* |x^| <= 2^XBITS: the top byte T = x^ >> 8 in -64..64 */
+#define XSPAN 64 /* a block's exponent is at least the row's largest less this */
+#define XAMX_ROWS 16 /* rows per AMX pass: 2 planes each, two tile sets of two tiles of 16 */
 #define XAMX_MIN_ROWS 1 /* AMX from one row: gate_up alone 0.052 vs 0.068 ms on VNNI (same bits) */
 #define XPREFETCH 4096 /* bytes ahead of a block's tile load that its lines are prefetched */
-#define XVNNI_ROWS 3 /* rows per VNNI pass: 3 x 4 int32 sums in registers. With 4, the 16 plane
-                      * rows' offsets spilled general registers inside the hot loop (gcc 13,
-                      * Zen 4): a 4- or 8-row verify ran 7-9 % slower, the same bits */
+#define XVNNI_ROWS 6 /* rows per VNNI pass: 6 x 2 int32 sums in registers (with four planes,
+                      * 4 rows a pass spilled the plane rows' offsets to general registers:
+                      * 3 rows of 4 planes was the most) */
 #define X8 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-/* Row x[0, K) -> its four bytes per value, block-major: digit d of input k at
+/* Row x[0, K) -> its two bytes per value, block-major: digit d of input k at
  * planes[(k / blk) * bstride + d * blk + k % blk] (a block's plane rows are contiguous, so a
- * tile loads them at stride blk: planes at stride K put 32 rows of a 2048-wide row in two L1
- * sets); the row's shift (x^ = round(x * 2^shift)); for the affine format, block b's exact
- * sum of x^ as two floats (xsum[2b] + xsum[2b + 1], the second what the first missed).
- * Returns 0 when the row is not finite (its outputs become NaN). */
+ * tile loads them at stride blk); per block b, rb[2b] = e_b - E (the block's factor's exponent,
+ * as a float) and rb[2b + 1] = 2^(e_b - E) sum x^ (exact: |sum| <= 2^19); *row_e = E.
+ * Returns 0 when the row is not finite (its outputs become NaN; planes and rb left alone). */
 static int quantize(const float *x, int64_t K, uint8_t *planes, int64_t bstride, int64_t blk,
-                    float *xsum, int *shift) {
-    float top = 0.0f;
-    for (int64_t k = 0; k < K; k++) {
-        if (!isfinite(x[k])) return 0;
-        top = fmaxf(top, fabsf(x[k]));
-    }
-    int e;
-    frexpf(top, &e); /* top < 2^e (top 0: e 0) */
-    *shift = 30 - e;
-    const double f = ldexp(1.0, *shift);
-    int64_t sum = 0;
-    for (int64_t k = 0; k < K; k++) {
-        const int32_t v = (int32_t)nearbyint((double)x[k] * f); /* |v| <= 2^30 */
-        uint8_t *at = planes + (k / blk) * bstride + k % blk;
-        at[0] = (uint8_t)(v & 255);
-        at[blk] = (uint8_t)((v >> 8) & 255);
-        at[2 * blk] = (uint8_t)((v >> 16) & 255);
-        at[3 * blk] = (uint8_t)((v >> 24) + 64);
-        sum += v;
-        if (xsum && (k + 1) % blk == 0) { /* |sum| <= 2^35: two floats hold it exactly */
-            const float hi = (float)sum;
-            xsum[2 * (k / blk)] = hi;
-            xsum[2 * (k / blk) + 1] = (float)(sum - (int64_t)hi);
-            sum = 0;
+                    float *rb, int *row_e) {
+    const int64_t KB = K / blk;
+    int E = INT32_MIN;
+    for (int64_t b = 0; b < KB; b++) {
+        float top = 0.0f;
+        for (int64_t k = b * blk; k < (b + 1) * blk; k++) {
+            if (!isfinite(x[k])) return 0;
+            top = fmaxf(top, fabsf(x[k]));
         }
+        int e;
+        frexpf(top, &e); /* top < 2^e (top 0: e 0) */
+        rb[2 * b] = (float)e;
+        E = e > E ? e : E;
     }
+    for (int64_t b = 0; b < KB; b++) {
+        const int e = (int)rb[2 * b] > E - XSPAN ? (int)rb[2 * b] : E - XSPAN;
+        const double f = ldexp(1.0, XBITS - e);
+        int32_t sum = 0;
+        for (int64_t k = b * blk; k < (b + 1) * blk; k++) {
+            const int32_t v = (int32_t)nearbyint((double)x[k] * f); /* |v| <= 2^14 */
+            uint8_t *at = planes + b * bstride + k % blk;
+            at[0] = (uint8_t)(v & 255);
+            at[blk] = (uint8_t)((v >> 8) + 64);
+            sum += v;
+        }
+        rb[2 * b] = (float)(e - E);
+        rb[2 * b + 1] = ldexpf((float)sum, e - E);
+    }
+    *row_e = E;
     return 1;
 }
 
 /* quantize's steps sixteen values at a time (AVX-512): x * 2^shift is exact in float
  * (vscalefps), and its conversion rounds to nearest even, as nearbyint: the same integers. */
 static X8 int quantize512(const float *x, int64_t K, uint8_t *planes, int64_t bstride,
-                          int64_t blk, float *xsum, int *shift) {
-    __m512 top16 = _mm512_setzero_ps();
+                          int64_t blk, float *rb, int *row_e) {
+    const int64_t KB = K / blk;
     __mmask16 bad = 0; /* NaN or infinity (vmaxps would drop a NaN) */
-    for (int64_t k = 0; k < K; k += 16) {
-        const __m512 v = _mm512_loadu_ps(x + k);
-        bad |= _mm512_fpclass_ps_mask(v, 0x99);
-        top16 = _mm512_max_ps(top16, _mm512_abs_ps(v));
+    int E = INT32_MIN;
+    for (int64_t b = 0; b < KB; b++) {
+        __m512 top16 = _mm512_setzero_ps();
+        for (int64_t k = b * blk; k < (b + 1) * blk; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + k);
+            bad |= _mm512_fpclass_ps_mask(v, 0x99);
+            top16 = _mm512_max_ps(top16, _mm512_abs_ps(v));
+        }
+        int e;
+        frexpf(_mm512_reduce_max_ps(top16), &e);
+        rb[2 * b] = (float)e;
+        E = e > E ? e : E;
     }
     if (bad) return 0;
-    const float top = _mm512_reduce_max_ps(top16);
-    int e;
-    frexpf(top, &e);
-    *shift = 30 - e;
-    const __m512 f = _mm512_set1_ps((float)*shift);
     const __m512i off = _mm512_set1_epi32(64);
-    int64_t sum = 0;
-    for (int64_t k = 0; k < K; k += 16) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(x + k), f));
-        uint8_t *at = planes + (k / blk) * bstride + k % blk;
-        _mm_storeu_si128((__m128i *)at, _mm512_cvtepi32_epi8(v));
-        _mm_storeu_si128((__m128i *)(at + blk), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8)));
-        _mm_storeu_si128((__m128i *)(at + 2 * blk), _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 16)));
-        _mm_storeu_si128((__m128i *)(at + 3 * blk),
-                         _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(v, 24), off)));
-        if (xsum) {
-            sum += _mm512_reduce_add_epi64(
-                _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
-                                 _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
-            if ((k + 16) % blk == 0) {
-                const float hi = (float)sum;
-                xsum[2 * (k / blk)] = hi;
-                xsum[2 * (k / blk) + 1] = (float)(sum - (int64_t)hi);
-                sum = 0;
-            }
+    for (int64_t b = 0; b < KB; b++) {
+        const int e = (int)rb[2 * b] > E - XSPAN ? (int)rb[2 * b] : E - XSPAN;
+        const __m512 f = _mm512_set1_ps((float)(XBITS - e));
+        __m512i sum16 = _mm512_setzero_si512();
+        for (int64_t k = b * blk; k < (b + 1) * blk; k += 16) {
+            const __m512i v = _mm512_cvtps_epi32(_mm512_scalef_ps(_mm512_loadu_ps(x + k), f));
+            uint8_t *at = planes + b * bstride + k % blk;
+            _mm_storeu_si128((__m128i *)at, _mm512_cvtepi32_epi8(v));
+            _mm_storeu_si128((__m128i *)(at + blk),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(v, 8), off)));
+            sum16 = _mm512_add_epi32(sum16, v);
         }
+        rb[2 * b] = (float)(e - E);
+        rb[2 * b + 1] = ldexpf((float)_mm512_reduce_add_epi32(sum16), e - E);
     }
+    *row_e = E;
     return 1;
 }
 
-/* The scalar definition of every path: one block's planes of mc rows (4 per row, blk bytes
+/* The scalar definition of every path: one block's planes of mc rows (XD per row, blk bytes
  * each, as quantize lays them out) against one group's block (w: blk / 4 quads of 16 x 4):
- * c[(4 i + d) * 16 + n] = P_d of row i, output n. */
+ * c[(XD i + d) * 16 + n] = P_d of row i, output n. */
 static void sums_ref(const uint8_t *planes, int mc, const int8_t *w, int64_t blk, int32_t *c) {
     for (int n = 0; n < XL; n++)
-        for (int r = 0; r < 4 * mc; r++) {
+        for (int r = 0; r < XD * mc; r++) {
             int32_t p = 0;
             for (int64_t k = 0; k < blk; k++)
                 p += (int32_t)planes[r * blk + k] * w[(k / XQ) * XL * XQ + n * XQ + k % XQ];
@@ -161,42 +168,37 @@ static void wsum_ref(const int8_t *w, int64_t blk, int32_t *s) {
 }
 
 /* acc[i * 16 + n] += this block's value for row i, output n, from the sums c and S: the exact
- * v as two int32 halves, hi = 2^8 (P3 - 64 S) + P2 and lo = 2^8 P1 + P0 (|hi| < 2^27,
- * |lo| < 2^29), then in float: v~ = fma(hi, 2^16, lo), acc = fma(s, v~, acc), and for the
- * affine format acc = fma(b, sum x^, acc), sum x^ as two floats, the larger first. */
+ * v = 2^8 (P1 - 64 S) + P0 in int32, then in float: acc = fma(s * 2^(e_b - E), float(v), acc),
+ * and for the affine format acc = fma(b, 2^(e_b - E) sum x^, acc). rb: row 0's (e_b - E,
+ * scaled sum) for this block, the next row's ldrb floats on. */
 static void epilogue_ref(const int32_t *c, const int32_t *S, int mc, const float *sc,
-                         const float *base, const float *xsum, int64_t ldxs, float *acc) {
+                         const float *base, const float *rb, int64_t ldrb, float *acc) {
     for (int i = 0; i < mc; i++)
         for (int n = 0; n < XL; n++) {
-            const int32_t *p = c + 4 * i * XL + n;
-            const int32_t hi = (p[3 * XL] - 64 * S[n]) * 256 + p[2 * XL];
-            const int32_t lo = p[XL] * 256 + p[0];
-            const float v = fmaf((float)hi, 65536.0f, (float)lo);
-            float a = fmaf(sc[n], v, acc[i * XL + n]);
-            if (base) a = fmaf(base[n], xsum[i * ldxs + 1], fmaf(base[n], xsum[i * ldxs], a));
+            const int32_t *p = c + XD * i * XL + n;
+            const int32_t v = (p[XL] - 64 * S[n]) * 256 + p[0];
+            float a = fmaf(ldexpf(sc[n], (int)rb[i * ldrb]), (float)v, acc[i * XL + n]);
+            if (base) a = fmaf(base[n], rb[i * ldrb + 1], a);
             acc[i * XL + n] = a;
         }
 }
 
-/* The same steps, sixteen outputs at a time: the same bits. */
+/* The same steps, sixteen outputs at a time: the same bits (vscalefps by a whole number is
+ * ldexpf, exact for the normal results XSPAN keeps). */
 static inline X8 void epilogue512(const int32_t *c, const int32_t *S, int mc, const float *sc,
-                                  const float *base, const float *xsum, int64_t ldxs,
+                                  const float *base, const float *rb, int64_t ldrb,
                                   float *acc) {
     const __m512i s64 = _mm512_slli_epi32(_mm512_loadu_si512(S), 6);
-    const __m512 vs = _mm512_loadu_ps(sc), step = _mm512_set1_ps(65536.0f);
+    const __m512 vs = _mm512_loadu_ps(sc);
     const __m512 vb = base ? _mm512_loadu_ps(base) : _mm512_setzero_ps();
     for (int i = 0; i < mc; i++) {
-        const int32_t *p = c + 4 * i * XL;
-        const __m512i hi = _mm512_add_epi32(
-            _mm512_slli_epi32(_mm512_sub_epi32(_mm512_loadu_si512(p + 3 * XL), s64), 8),
-            _mm512_loadu_si512(p + 2 * XL));
-        const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(p + XL), 8),
-                                            _mm512_loadu_si512(p));
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), step, _mm512_cvtepi32_ps(lo));
-        __m512 a = _mm512_fmadd_ps(vs, v, _mm512_loadu_ps(acc + i * XL));
-        if (base)
-            a = _mm512_fmadd_ps(vb, _mm512_set1_ps(xsum[i * ldxs + 1]),
-                                _mm512_fmadd_ps(vb, _mm512_set1_ps(xsum[i * ldxs]), a));
+        const int32_t *p = c + XD * i * XL;
+        const __m512i v = _mm512_add_epi32(
+            _mm512_slli_epi32(_mm512_sub_epi32(_mm512_loadu_si512(p + XL), s64), 8),
+            _mm512_loadu_si512(p));
+        const __m512 f = _mm512_scalef_ps(vs, _mm512_set1_ps(rb[i * ldrb]));
+        __m512 a = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(v), _mm512_loadu_ps(acc + i * XL));
+        if (base) a = _mm512_fmadd_ps(vb, _mm512_set1_ps(rb[i * ldrb + 1]), a);
         _mm512_storeu_ps(acc + i * XL, a);
     }
 }
@@ -255,35 +257,38 @@ static inline X8 void unpack512(const uint8_t *pk, int64_t blk, int64_t bits, in
 /* VNNI: mb (<= XVNNI_ROWS, a constant after inlining) rows' planes against one group's block. */
 static inline X8 __attribute__((always_inline)) void sums_vnni(
     const uint8_t *planes, const int mb, const int8_t *w, int64_t blk, int32_t *c) {
-    __m512i acc[XVNNI_ROWS * 4];
-    _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) acc[r] = _mm512_setzero_si512();
+    __m512i acc[XVNNI_ROWS * XD];
+    _Pragma("GCC unroll 16") for (int r = 0; r < XD * mb; r++) acc[r] = _mm512_setzero_si512();
     for (int64_t q = 0; q < blk / XQ; q++) {
         const __m512i wv = _mm512_loadu_si512(w + q * XL * XQ);
-        _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < XD * mb; r++) {
             int32_t four;
             memcpy(&four, planes + r * blk + q * XQ, sizeof four);
             acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four), wv);
         }
     }
-    _Pragma("GCC unroll 16") for (int r = 0; r < 4 * mb; r++) _mm512_storeu_si512(c + r * XL, acc[r]);
+    _Pragma("GCC unroll 16") for (int r = 0; r < XD * mb; r++) _mm512_storeu_si512(c + r * XL, acc[r]);
 }
 
 static inline X8 __attribute__((always_inline)) void sums_vnni_rows_blk(
     const uint8_t *planes, int mc, const int8_t *w, int64_t blk, int32_t *c) {
     for (int i = 0; i < mc; i += XVNNI_ROWS) {
-        const uint8_t *p = planes + 4 * i * blk;
-        int32_t *ci = c + 4 * i * XL;
+        const uint8_t *p = planes + XD * i * blk;
+        int32_t *ci = c + XD * i * XL;
         switch (mc - i < XVNNI_ROWS ? mc - i : XVNNI_ROWS) {
             case 1: sums_vnni(p, 1, w, blk, ci); break;
             case 2: sums_vnni(p, 2, w, blk, ci); break;
+            case 3: sums_vnni(p, 3, w, blk, ci); break;
+            case 4: sums_vnni(p, 4, w, blk, ci); break;
+            case 5: sums_vnni(p, 5, w, blk, ci); break;
             default: sums_vnni(p, XVNNI_ROWS, w, blk, ci); break;
         }
     }
 }
 
 /* A copy per block size (32, 16): every plane row's offset is then an immediate, not a
- * register (with 3 rows a pass: a 2-9-row forward 4-10 % faster than 4 rows a pass with blk
- * in a register, on Zen 4; one row the same). blk is always 32 or 16; the last call keeps any
+ * register (with four planes and 3 rows a pass: a 2-9-row forward 4-10 % faster than 4 rows a
+ * pass with blk in a register, on Zen 4; one row the same). blk is always 32 or 16; the last call keeps any
  * other size correct. */
 static X8 void sums_vnni_rows(const uint8_t *planes, int mc, const int8_t *w, int64_t blk,
                               int32_t *c) {
@@ -295,7 +300,7 @@ static X8 void sums_vnni_rows(const uint8_t *planes, int mc, const int8_t *w, in
 #if HAVE_AMX
 #define XAMX __attribute__((target("amx-tile,amx-int8,avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-/* Tiles for R = 4 mc <= 32 plane rows, two sets so one block's products run while the
+/* Tiles for R = XD mc <= 32 plane rows, two sets so one block's products run while the
  * previous block's sums are read: C tiles 0-1 (set 0) and 2-3 (set 1) hold rows 0-15 and
  * 16-31, A tiles 4-5 the planes, B tiles 6 (set 0) and 7 (set 1) one block's quads (blk / 4
  * rows of 16 outputs x 4 bytes). */
@@ -303,17 +308,6 @@ static XAMX void xamx_configure(int R, int64_t blk) {
     uag_amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    if (R > 32) { /* one set: C tiles 0-2, A tiles 3-5, B tile 6 */
-        for (int t = 0; t < 3; t++) {
-            const int rows = R - 16 * t < 16 ? R - 16 * t : 16;
-            c.rows[t] = c.rows[3 + t] = (uint8_t)rows;
-            c.colsb[t] = XL * 4, c.colsb[3 + t] = (uint16_t)blk;
-        }
-        c.rows[6] = (uint8_t)(blk / XQ), c.colsb[6] = XL * XQ;
-        __asm__ __volatile__("" : : "r"(&c) : "memory");
-        _tile_loadconfig(&c);
-        return;
-    }
     for (int t = 0; t < 2 && 16 * t < R; t++) {
         const int rows = R - 16 * t < 16 ? R - 16 * t : 16;
         c.rows[t] = c.rows[2 + t] = (uint8_t)rows;
@@ -326,13 +320,13 @@ static XAMX void xamx_configure(int R, int64_t blk) {
     _tile_loadconfig(&c);
 }
 
-/* One group's blocks for one pass of mc rows (R = 4 mc plane rows from planes, block b's at
+/* One group's blocks for one pass of mc rows (R = XD mc plane rows from planes, block b's at
  * planes + b * bstride, stride blk):
  * block b's tile products are issued before block b - 1's sums are stored and read, so the
  * tile unit and the epilogue overlap. */
 static XAMX void pass_amx(const uint8_t *planes, int64_t bstride, int R, int rows, const int8_t *wg,
                           const float *pg, int64_t KB, int64_t blk, int64_t np,
-                          const float *xsum, int64_t ldxs, int32_t *c, float *acc) {
+                          const float *rb, int64_t ldrb, int32_t *c, float *acc) {
     int32_t S[XL];
     const int two = R > 16;
 #define XAMX_ISSUE(CT0, CT1, BT)                                                                   \
@@ -374,43 +368,11 @@ static XAMX void pass_amx(const uint8_t *planes, int64_t bstride, int R, int row
             else XAMX_COLLECT(0, 1);
             wsum512(wg + a * blk * XL, blk, S);
             const float *sc = pg + a * np * XL;
-            epilogue512(c, S, rows, sc, np > 1 ? sc + XL : NULL, xsum ? xsum + 2 * a : NULL, ldxs,
-                        acc);
+            epilogue512(c, S, rows, sc, np > 1 ? sc + XL : NULL, rb + 2 * a, ldrb, acc);
         }
     }
 #undef XAMX_ISSUE
 #undef XAMX_COLLECT
-}
-/* pass_amx for 33-48 plane rows (9-12 rows): one set of three tiles, each block's products,
- * then its sums (no overlap between them: such verifies are rare). */
-static XAMX void pass_amx_wide(const uint8_t *planes, int64_t bstride, int rows,
-                               const int8_t *wg, const float *pg, int64_t KB, int64_t blk,
-                               int64_t np, const float *xsum, int64_t ldxs, int32_t *c,
-                               float *acc) {
-    int32_t S[XL];
-    for (int64_t b = 0; b < KB; b++) {
-        const int8_t *wb = wg + b * blk * XL;
-        for (int64_t l = 0; l < blk * XL; l += 64)
-            _mm_prefetch((const char *)(wb + XPREFETCH + l), _MM_HINT_T0);
-        const uint8_t *pb = planes + b * bstride;
-        _tile_loadd(6, wb, XL * XQ);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_loadd(3, pb, blk);
-        _tile_dpbusd(0, 3, 6);
-        _tile_loadd(4, pb + 16 * blk, blk);
-        _tile_dpbusd(1, 4, 6);
-        _tile_loadd(5, pb + 32 * blk, blk);
-        _tile_dpbusd(2, 5, 6);
-        wsum512(wb, blk, S);
-        _tile_stored(0, c, XL * 4);
-        _tile_stored(1, c + 16 * XL, XL * 4);
-        _tile_stored(2, c + 32 * XL, XL * 4);
-        const float *sc = pg + b * np * XL;
-        epilogue512(c, S, rows, sc, np > 1 ? sc + XL : NULL, xsum ? xsum + 2 * b : NULL, ldxs,
-                    acc);
-    }
 }
 static XAMX void xamx_release(void) { _tile_release(); }
 #endif
@@ -459,19 +421,18 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
     const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1;
     const int64_t bb = packed_bytes(blk, bits); /* one group's block */
     /* AMX: passes of mc rows (the last padded with zero planes: one tile shape for all) */
-    const int64_t per = M <= XAMX_ROWS || M > XAMX_WIDE ? XAMX_ROWS : XAMX_WIDE;
-    const int64_t passes = path == 2 ? (M + per - 1) / per : 1;
-    const int mc = (int)((M + passes - 1) / passes), R = 4 * mc;
+    const int64_t passes = path == 2 ? (M + XAMX_ROWS - 1) / XAMX_ROWS : 1;
+    const int mc = (int)((M + passes - 1) / passes), R = XD * mc;
     const int64_t bstride = passes * R * blk; /* bytes per block of every row's planes */
     uint8_t *planes = (uint8_t *)calloc((size_t)(KB * bstride), 1);
-    float *xsum = affine ? (float *)calloc((size_t)(M * KB * 2), sizeof(float)) : NULL;
-    float *unit = (float *)malloc(sizeof(float) * (size_t)M); /* 2^-shift; NaN: not finite */
+    float *rb = (float *)calloc((size_t)(M * KB * 2), sizeof(float)); /* quantize's rb */
+    float *unit = (float *)malloc(sizeof(float) * (size_t)M); /* 2^(E - 14); NaN: not finite */
     for (int64_t m = 0; m < M; m++) {
-        int shift = 0;
-        float *xs = affine ? xsum + m * KB * 2 : NULL;
-        const int ok = path ? quantize512(x + m * ldx, K, planes + 4 * m * blk, bstride, blk, xs, &shift)
-                            : quantize(x + m * ldx, K, planes + 4 * m * blk, bstride, blk, xs, &shift);
-        unit[m] = ok ? ldexpf(1.0f, -shift) : NAN;
+        int e = 0;
+        uint8_t *pm = planes + XD * m * blk;
+        const int ok = path ? quantize512(x + m * ldx, K, pm, bstride, blk, rb + m * KB * 2, &e)
+                            : quantize(x + m * ldx, K, pm, bstride, blk, rb + m * KB * 2, &e);
+        unit[m] = ok ? ldexpf(1.0f, e - XBITS) : NAN;
     }
 #pragma omp parallel
     {
@@ -498,12 +459,11 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             for (int64_t p = 0; p < passes; p++) {
                 const uint8_t *pp = planes + p * R * blk;
                 const int rows = (int)(M - p * mc < mc ? M - p * mc : mc);
-                const float *xs = affine ? xsum + p * mc * KB * 2 : NULL;
+                const float *rp = rb + p * mc * KB * 2;
                 float *ap = acc + p * mc * XL;
 #if HAVE_AMX
                 if (path == 2) {
-                    if (R > 32) pass_amx_wide(pp, bstride, rows, wg, pg, KB, blk, np, xs, KB * 2, c, ap);
-                    else pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, xs, KB * 2, c, ap);
+                    pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, rp, KB * 2, c, ap);
                     continue;
                 }
 #endif
@@ -517,13 +477,18 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                     const float *sc = pg + b * np * XL, *base = affine ? sc + XL : NULL;
                     int32_t *S = c + R * XL;
                     if (path == 1) {
+                        /* the block's lines and its parameters XPREFETCH ahead: a 9-row
+                         * forward of the 1.5B's products 116 -> 94 ms, 1-5 rows the same */
+                        for (int64_t l = 0; l < bb; l += 64)
+                            _mm_prefetch((const char *)(pk + b * bb + XPREFETCH + l), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(sc + XPREFETCH / 4), _MM_HINT_T0);
                         sums_vnni_rows(pp + b * bstride, rows, wb, blk, c);
                         wsum512(wb, blk, S);
-                        epilogue512(c, S, rows, sc, base, xs ? xs + 2 * b : NULL, KB * 2, ap);
+                        epilogue512(c, S, rows, sc, base, rp + 2 * b, KB * 2, ap);
                     } else {
                         sums_ref(pp + b * bstride, rows, wb, blk, c);
                         wsum_ref(wb, blk, S);
-                        epilogue_ref(c, S, rows, sc, base, xs ? xs + 2 * b : NULL, KB * 2, ap);
+                        epilogue_ref(c, S, rows, sc, base, rp + 2 * b, KB * 2, ap);
                     }
                 }
             }
@@ -542,5 +507,5 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
         free(acc);
         free(wbuf);
     }
-    free(planes), free(xsum), free(unit);
+    free(planes), free(rb), free(unit);
 }
