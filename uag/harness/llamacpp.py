@@ -2,6 +2,13 @@
 
     python -m uag.harness.llamacpp --llama-python /path/to/venv/bin/python \\
         [--prompts humaneval:test+mixed:test] [--limit 6] [--max-new-tokens 128] [--repeats 2]
+    python -m uag.harness.llamacpp --llama-server /path/to/llama-server \\
+        --target qwen2.5-coder-1.5b --assistant smollm2-135m [--llama-draft 0.5B.gguf] ...
+
+With ``--llama-server`` (``llama_server.py``) the arms are uag's target alone, uag's default
+plan (what ``uag generate`` runs for the pair), and llama-server with no speculation, with
+``--spec-type ngram-simple`` and, given ``--llama-draft``, with ``--spec-type draft-simple -md``
+(same-vocabulary draft, ``--spec-draft-n-max 3``); the target's GGUF is the one uag loads.
 
 Why: "fast" needs an outside reference. llama.cpp is the usual one for a GGUF on a CPU, and its
 ``LlamaPromptLookupDecoding`` is the same training-free prompt lookup uag's ``lookup`` arm runs.
@@ -37,11 +44,17 @@ from controllers.spec import parse_policy
 from uag import api
 from uag.errors import UagError
 from uag.harness.bench import rotated
+from uag.harness.llama_server import LlamaServer
 from uag.harness.prompts import as_text, load_prompts
-from uag.recipes import lookup_lengths
+from uag.recipes import cpu_isa, lookup_lengths, machine_id
 from uag.runtime.models import DEFAULT_TARGET, EMBEDDED, embedded_gguf_path
 
 ARMS = ("uag target-only", "uag lookup", "llama.cpp target-only", "llama.cpp lookup")
+SERVER_SPECS = {
+    "llama.cpp target-only": [],
+    "llama.cpp ngram-simple": ["--spec-type", "ngram-simple"],
+}
+"""llama-server arms and their start-up arguments (plus draft-simple with ``--llama-draft``)."""
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 
@@ -111,34 +124,68 @@ def rate_interval(
     return float(low), float(high)
 
 
+def _servers(args: argparse.Namespace, gguf: Path, threads: int) -> dict[str, LlamaServer]:
+    """One llama-server per llama.cpp arm, each started before any timing (fails fast)."""
+    specs = dict(SERVER_SPECS)
+    if args.llama_draft is not None:
+        specs["llama.cpp draft-simple"] = [
+            "--spec-type", "draft-simple", "-md", str(args.llama_draft), "--spec-draft-n-max", "3",
+        ]  # fmt: skip
+    servers: dict[str, LlamaServer] = {}
+    try:
+        for arm, extra in specs.items():
+            servers[arm] = LlamaServer(
+                Path(args.llama_server), gguf=gguf, threads=threads, extra=extra
+            )
+    except UagError:
+        for server in servers.values():
+            server.close()
+        raise
+    return servers
+
+
 def run(args: argparse.Namespace) -> str:
     """Every arm over the prompts (module docstring); the report as Markdown."""
     threads = torch.get_num_threads()
     loaded = load_prompts(args.prompts, limit=args.limit)
-    gguf = embedded_gguf_path(EMBEDDED[DEFAULT_TARGET])
-    worker = LlamaWorker(args.llama_python, gguf=gguf, threads=threads)  # fails fast
-    pair = api.load_pair()
+    target = args.target or DEFAULT_TARGET
+    if target not in EMBEDDED:
+        raise UagError(f"--target {target!r}: an embedded name is needed here (uag models list)")
+    gguf = embedded_gguf_path(EMBEDDED[target])
+    server_mode = args.llama_server is not None
+    worker = None if server_mode else LlamaWorker(args.llama_python, gguf=gguf, threads=threads)
+    servers = _servers(args, gguf, threads) if server_mode else {}
+    arms = ["uag target-only", "uag default", *servers] if server_mode else list(ARMS)
+    pair = api.load_pair(target, args.assistant) if args.assistant else api.load_pair(target)
     prompts = [as_text(pair, p, chat=False) for p in loaded]
     ids = [api.encode_prompt(pair, p)[0] for p in prompts]
+    budgets = [p.max_new_tokens or args.max_new_tokens for p in loaded]
     lookup_spec, lengths = parse_policy("lookup"), lookup_lengths(pair)  # as uag generate runs
     stop_ids = sorted(pair.target.eos_ids)
-    totals = {arm: ArmTotals([0] * len(prompts), [0.0] * len(prompts)) for arm in ARMS}
-    outputs: dict[str, list[list[int]]] = {arm: [[] for _ in prompts] for arm in ARMS}
+    totals = {arm: ArmTotals([0] * len(prompts), [0.0] * len(prompts)) for arm in arms}
+    outputs: dict[str, list[list[int]]] = {arm: [[] for _ in prompts] for arm in arms}
 
     def once(arm: str, i: int) -> tuple[list[int], float]:
+        if arm in servers:
+            return servers[arm].run(ids[i], max_new_tokens=budgets[i], stop=stop_ids)
         if arm.startswith("llama.cpp"):
+            assert worker is not None
             kind = arm.split(" ", 1)[1]
-            return worker.run(ids[i], arm=kind, max_new_tokens=args.max_new_tokens, stop=stop_ids)
-        plan = lookup_spec.plan(lengths=lengths) if arm == "uag lookup" else None
-        result = api.generate(pair, prompts[i], plan=plan, max_new_tokens=args.max_new_tokens)
+            return worker.run(ids[i], arm=kind, max_new_tokens=budgets[i], stop=stop_ids)
+        plan: Any = None
+        if arm == "uag lookup":
+            plan = lookup_spec.plan(lengths=lengths)
+        elif arm == "uag default":
+            plan = "default"
+        result = api.generate(pair, prompts[i], plan=plan, max_new_tokens=budgets[i])
         return result.token_ids, result.seconds
 
     try:
-        for arm in ARMS:  # warm-up, not timed
+        for arm in arms:  # warm-up, not timed
             once(arm, 0)
         for r in range(args.repeats):
             for i in range(len(prompts)):
-                for arm in rotated(list(ARMS), i + r):
+                for arm in rotated(list(arms), i + r):
                     out, seconds = once(arm, i)
                     totals[arm].tokens[i] += len(out)
                     totals[arm].seconds[i] += seconds
@@ -146,25 +193,43 @@ def run(args: argparse.Namespace) -> str:
                 print(f"llamacpp: repeat {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)}",
                       file=sys.stderr, flush=True)  # fmt: skip
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
+        for server in servers.values():
+            server.close()
+    return _report(args, arms, totals, outputs, gguf=gguf, threads=threads, count=len(prompts))
+
+
+def _report(
+    args: argparse.Namespace,
+    arms: list[str],
+    totals: dict[str, ArmTotals],
+    outputs: dict[str, list[list[int]]],
+    *,
+    gguf: Path,
+    threads: int,
+    count: int,
+) -> str:
     reference = outputs["uag target-only"]
     lines = [
-        f"{len(prompts)} prompts of {args.prompts}, {args.max_new_tokens} new tokens, "
-        f"{args.repeats} repeats, {threads} threads, `{gguf.name}`",
+        f"{count} prompts of {args.prompts}, {args.max_new_tokens} new tokens (or the prompt's "
+        f"own), {args.repeats} repeats, {threads} threads, `{gguf.name}`, machine: "
+        f"{machine_id()} ({cpu_isa()})",
         "",
         "| arm | tokens/s | output equal to uag target-only |",
         "|---|---|---|",
     ]
-    for arm in ARMS:
+    for arm in arms:
         same = sum(o == ref for o, ref in zip(outputs[arm], reference, strict=True))
-        lines.append(f"| {arm} | {totals[arm].rate():.1f} | {same}/{len(prompts)} |")
+        lines.append(f"| {arm} | {totals[arm].rate():.1f} | {same}/{count} |")
     lines += ["", "| ratio | value | 95 % interval (paired by prompt) |", "|---|---|---|"]
-    for num, den in (
-        ("uag target-only", "llama.cpp target-only"),
-        ("uag lookup", "llama.cpp lookup"),
-        ("uag lookup", "llama.cpp target-only"),
-        ("llama.cpp lookup", "llama.cpp target-only"),
-    ):
+    llama = [a for a in arms if a.startswith("llama.cpp")]
+    best = max(llama, key=lambda a: totals[a].rate())
+    uag_arms = [a for a in arms if a.startswith("uag")]
+    pairs = [(u, "llama.cpp target-only") for u in uag_arms]
+    pairs += [(u, best) for u in uag_arms if best != "llama.cpp target-only"]
+    pairs += [(a, "llama.cpp target-only") for a in llama if a != "llama.cpp target-only"]
+    for num, den in pairs:
         low, high = rate_interval(totals[num], totals[den])
         ratio = totals[num].rate() / totals[den].rate()
         lines.append(f"| {num} / {den} | {ratio:.2f}x | {low:.2f}–{high:.2f}x |")
@@ -176,9 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m uag.harness.llamacpp",
         description="uag against llama.cpp on the same GGUF, prompts and threads",
     )
-    parser.add_argument(
-        "--llama-python", required=True, help="an interpreter that has llama-cpp-python"
+    backend = parser.add_mutually_exclusive_group(required=True)
+    backend.add_argument("--llama-python", help="an interpreter that has llama-cpp-python")
+    backend.add_argument(
+        "--llama-server", help="a llama-server binary (built from llama.cpp's source)"
     )
+    parser.add_argument(
+        "--llama-draft",
+        type=Path,
+        default=None,
+        help="with --llama-server: a same-vocabulary draft GGUF for a draft-simple arm",
+    )
+    parser.add_argument("--target", default=None, help="an embedded target (default: the default)")
+    parser.add_argument("--assistant", default=None, help="uag's assistant (default: the default)")
     parser.add_argument("--prompts", default="humaneval:test+mixed:test")
     parser.add_argument("--limit", type=int, default=6, help="prompts per source")
     parser.add_argument("--max-new-tokens", type=int, default=128)
