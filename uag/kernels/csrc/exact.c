@@ -26,7 +26,7 @@
  * Integer sums do not depend on their order, and the float steps after them are the same on
  * every path, so AMX, AVX-512 VNNI and the scalar reference, and every row count, give the same
  * bits: the row-count invariance lossless verification needs. Why two bytes and not four
- * (31 bits a row, before 2026-12-08): an extra verified row costs its byte products, and with
+ * (31 bits a row, until 2026-12-07): an extra verified row costs its byte products, and with
  * four planes they were most of it (the 1.5B Qwen target's 1.5 G multiply-accumulates a row
  * are 6 G vpdpbusd lanes, >= 13 ms on two Zen 4 cores). Against the exact product the error is
  * at most 2^-14 of sum_b max|x_b| sum_k |w_k| (the activations' grid) plus ~1-3 float roundings
