@@ -103,7 +103,8 @@ def test_prepared_pair_equals_the_converted_pair(q8_dirs, cache, monkeypatch, ca
     assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
     stock = CachedLM(load_model(target).model, lean=False)  # Transformers' own forward
     stock.reset(ids, rollback=False)
-    torch.testing.assert_close(logits[1], stock.logits(stock.forward()), rtol=1e-4, atol=1e-4)
+    # exact.c rounds activations to 2^-14 of their block's largest (measured: <= 1.6e-4 here)
+    torch.testing.assert_close(logits[1], stock.logits(stock.forward()), rtol=1e-4, atol=1e-3)
 
     prompt = NASTY_PROMPTS["emoji_run"]
     outs = [
