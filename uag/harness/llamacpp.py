@@ -156,31 +156,31 @@ def run(args: argparse.Namespace) -> str:
     worker = None if server_mode else LlamaWorker(args.llama_python, gguf=gguf, threads=threads)
     servers = _servers(args, gguf, threads) if server_mode else {}
     arms = ["uag target-only", "uag default", *servers] if server_mode else list(ARMS)
-    pair = api.load_pair(target, args.assistant) if args.assistant else api.load_pair(target)
-    prompts = [as_text(pair, p, chat=False) for p in loaded]
-    ids = [api.encode_prompt(pair, p)[0] for p in prompts]
-    budgets = [p.max_new_tokens or args.max_new_tokens for p in loaded]
-    lookup_spec, lengths = parse_policy("lookup"), lookup_lengths(pair)  # as uag generate runs
-    stop_ids = sorted(pair.target.eos_ids)
-    totals = {arm: ArmTotals([0] * len(prompts), [0.0] * len(prompts)) for arm in arms}
-    outputs: dict[str, list[list[int]]] = {arm: [[] for _ in prompts] for arm in arms}
+    try:  # the servers are running: whatever fails, they are stopped
+        pair = api.load_pair(target, args.assistant) if args.assistant else api.load_pair(target)
+        prompts = [as_text(pair, p, chat=False) for p in loaded]
+        ids = [api.encode_prompt(pair, p)[0] for p in prompts]
+        budgets = [p.max_new_tokens or args.max_new_tokens for p in loaded]
+        lookup_spec, lengths = parse_policy("lookup"), lookup_lengths(pair)  # as uag generate runs
+        stop_ids = sorted(pair.target.eos_ids)
+        totals = {arm: ArmTotals([0] * len(prompts), [0.0] * len(prompts)) for arm in arms}
+        outputs: dict[str, list[list[int]]] = {arm: [[] for _ in prompts] for arm in arms}
 
-    def once(arm: str, i: int) -> tuple[list[int], float]:
-        if arm in servers:
-            return servers[arm].run(ids[i], max_new_tokens=budgets[i], stop=stop_ids)
-        if arm.startswith("llama.cpp"):
-            assert worker is not None
-            kind = arm.split(" ", 1)[1]
-            return worker.run(ids[i], arm=kind, max_new_tokens=budgets[i], stop=stop_ids)
-        plan: Any = None
-        if arm == "uag lookup":
-            plan = lookup_spec.plan(lengths=lengths)
-        elif arm == "uag default":
-            plan = "default"
-        result = api.generate(pair, prompts[i], plan=plan, max_new_tokens=budgets[i])
-        return result.token_ids, result.seconds
+        def once(arm: str, i: int) -> tuple[list[int], float]:
+            if arm in servers:
+                return servers[arm].run(ids[i], max_new_tokens=budgets[i], stop=stop_ids)
+            if arm.startswith("llama.cpp"):
+                assert worker is not None
+                kind = arm.split(" ", 1)[1]
+                return worker.run(ids[i], arm=kind, max_new_tokens=budgets[i], stop=stop_ids)
+            plan: Any = None
+            if arm == "uag lookup":
+                plan = lookup_spec.plan(lengths=lengths)
+            elif arm == "uag default":
+                plan = "default"
+            result = api.generate(pair, prompts[i], plan=plan, max_new_tokens=budgets[i])
+            return result.token_ids, result.seconds
 
-    try:
         for arm in arms:  # warm-up, not timed
             once(arm, 0)
         for r in range(args.repeats):
