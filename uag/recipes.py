@@ -77,29 +77,17 @@ class LookupCalibration:
 def machine_id() -> str:
     """The CPU's model name (``/proc/cpuinfo``, else what ``platform`` knows) and torch's
     thread count: what a verify's price by row count depends on besides the code."""
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
+    name = native.cpuinfo().get("model name") or platform.processor() or platform.machine()
     return f"{name}, {torch.get_num_threads()} threads"
 
 
 def cpu_isa() -> str:
     """The vector extensions uag's kernels choose between, as this CPU reports them
     (``/proc/cpuinfo``'s flags): what a figure measured here depends on besides the model."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
+    info = native.cpuinfo()
+    if not info:
         return "ISA unknown"
+    flags = set(info.get("flags", "").split())
     named = [
         ("amx_tile", "AMX"),
         ("avx512_vnni", "AVX-512 VNNI"),

@@ -203,22 +203,30 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def _cpu_identity() -> str:
-    """The CPU as far as the kernels' results can depend on it: its model name and every
-    instruction-set flag the kernel reports (``/proc/cpuinfo``), beside what torch detects."""
+def cpuinfo() -> dict[str, str]:
+    """The first value of each field of ``/proc/cpuinfo`` (the first CPU's: model name,
+    flags...), stripped; empty where the file cannot be read (not Linux). The one reader of
+    that file: the kernels' self-test key, the machine line and the ISA line use it."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        lines = []
-    wanted = ("model name", "flags", "Features")
-    found = {}
+        return {}
+    found: dict[str, str] = {}
     for line in lines:
-        name, _, value = line.partition(":")
-        if name.strip() in wanted and name.strip() not in found:
-            found[name.strip()] = " ".join(value.split())
+        name, sep, value = line.partition(":")
+        if sep and name.strip() not in found:
+            found[name.strip()] = value.strip()
+    return found
+
+
+def _cpu_identity() -> str:
+    """The CPU as far as the kernels' results can depend on it: its model name and every
+    instruction-set flag the kernel reports (``/proc/cpuinfo``), beside what torch detects."""
+    found = cpuinfo()
+    wanted = ("model name", "flags", "Features")
     return "|".join(
         [platform.machine(), str(torch.backends.cpu.get_cpu_capability())]
-        + [f"{name}={found.get(name, '')}" for name in wanted]
+        + [f"{name}={' '.join(found.get(name, '').split())}" for name in wanted]
     )
 
 

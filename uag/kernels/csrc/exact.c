@@ -70,7 +70,8 @@
 /* Row x[0, K) -> its two bytes per value, block-major: digit d of input k at
  * planes[(k / blk) * bstride + d * blk + k % blk] (a block's plane rows are contiguous, so a
  * tile loads them at stride blk); per block b, rb[2b] = e_b - E (the block's factor's exponent,
- * as a float) and rb[2b + 1] = 2^(e_b - E) sum x^ (exact: |sum| <= 2^19); *row_e = E.
+ * as a float) and rb[2b + 1] = 2^(e_b - E) sum x^ (exact: |sum| <= 2^19); *row_e = E. The
+ * first pass parks e_b itself in rb[2b] until E is known (no scratch array per row).
  * Returns 0 when the row is not finite (its outputs become NaN; planes and rb left alone). */
 static int quantize(const float *x, int64_t K, uint8_t *planes, int64_t bstride, int64_t blk,
                     float *rb, int *row_e) {
