@@ -100,6 +100,19 @@ def test_real_target_rows_are_bitwise_invariant(real_pair):
     assert torch.equal(alone, chunked)
 
 
+@pytest.mark.skipif(
+    native.native_unavailable() is not None or not native._library()[0].uag_x8_available(),
+    reason="exact.c's fast paths (AVX-512 VNNI) do not run here: the body stays on skinny.c",
+)
+def test_real_kquant_projections_read_the_files_own_blocks_factored(real_pair):
+    """Gemma's Q4_K / Q6_K projections (o, down) reach ``exact.c`` with the GGUF's own integers
+    and parameters (``uag.runtime.kquants``), factored into a unit per 256 inputs times int8
+    multipliers; its Q5_0 / Q8_0 ones (a scale per 32, no shared unit) stay plain."""
+    for layer in real_pair.target_lm.lean.layers:
+        assert layer.o.x8_span == layer.down.x8_span == 256
+        assert layer.qkv.x8_span == layer.gate_up.x8_span == 0
+
+
 @pytest.mark.skipif(native.native_unavailable() is not None, reason="native kernel unavailable")
 def test_real_screened_head_is_the_fp32_argmax(real_pair, plain_target):
     """Gemma's int8-screened head picks exactly the fp32 head's token at every position of real

@@ -73,6 +73,7 @@ class Stored(Protocol):
     x8_affine: bool
     x8_bits: int
     x8_offset: int
+    x8_span: int
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,98 @@ def exact_integers(layer: Stored) -> torch.Tensor:
     return q.reshape(groups, blocks * quads, X8_GROUP, X8_QUAD)
 
 
+FACTOR_SPAN = 256
+"""Inputs per span of ``exact.c``'s factored block parameters: a k-quant's super-block, whose
+fp16 scale (and minimum) every one of its 8 or 16 blocks' 6-bit multipliers share."""
+
+
+def span_bytes(kinds: int, blocks: int) -> int:
+    """Bytes of one group's span of factored parameters (``exact.c``'s ``span_bytes``):
+    ``kinds`` fp32 units for 16 outputs, then ``kinds`` x ``blocks`` int8 multipliers."""
+    return kinds * (64 + X8_GROUP * blocks)
+
+
+def _factor_span(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(unit fp32 [...], mult int8 [..., B])`` with ``fl(unit · mult)`` equal to every fp32
+    ``values [..., B]``, or None where some row of B has no such pair. The unit is the greatest
+    common divisor of the row's values (each an integer times a power of two, aligned to the
+    row's smallest exponent), so the multipliers are as small as the values allow."""
+    mant, exp = torch.frexp(values)
+    ints = torch.ldexp(mant.double(), torch.full_like(exp, 24)).long()  # |ints| < 2^24, exact
+    exp = exp.long() - 24
+    nonzero = ints != 0
+    low = torch.where(nonzero, exp, 1 << 20).amin(dim=-1, keepdim=True)
+    shift = torch.where(nonzero, exp - low, 0)
+    if int(shift.max()) > 38:  # ints << shift would leave int64
+        return None
+    aligned = ints << shift
+    g = aligned[..., 0].abs()
+    for i in range(1, aligned.shape[-1]):
+        g = torch.gcd(g, aligned[..., i])
+    g = torch.where(g == 0, 1, g)
+    mult = aligned // g[..., None]
+    flip = mult.amax(dim=-1) > 127  # a negative unit: int8's -128 (Q6_K's scales reach it)
+    mult = torch.where(flip[..., None], -mult, mult)
+    if int(mult.max()) > 127 or int(mult.min()) < -128:
+        return None
+    low = torch.where(low[..., 0] == 1 << 20, 0, low[..., 0])
+    unit = torch.ldexp(torch.where(flip, -g, g).double(), low.double()).float()
+    mult8 = mult.to(torch.int8)
+    if not bool((unit[..., None] * mult8.float() == values).all()):
+        return None  # a unit beyond fp32's range or precision
+    return unit, mult8
+
+
+def factor_parameters(params: torch.Tensor, block: int) -> torch.Tensor | None:
+    """``exact.c``'s fp32 block parameters ``[groups, K/block, kinds, 16]`` as its factored
+    layout (uint8 ``[groups, K/FACTOR_SPAN, span_bytes]``), holding the same floats; None where
+    K is not a whole number of spans or some span's values do not factor into an fp32 unit
+    times int8 multipliers (``_factor_span``)."""
+    groups, count, kinds, width = params.shape
+    blocks = FACTOR_SPAN // block
+    if FACTOR_SPAN % block or count % blocks:
+        return None
+    spans = count // blocks
+    values = params.reshape(groups, spans, blocks, kinds, width).permute(0, 1, 3, 4, 2)
+    found = _factor_span(values.contiguous())  # rows: [groups, spans, kinds, 16] of B values
+    if found is None:
+        return None
+    unit, mult = found
+    mult = mult.permute(0, 1, 2, 4, 3)  # [groups, spans, kinds, blocks, 16]
+    out = torch.cat(
+        [unit.contiguous().view(torch.uint8).reshape(groups, spans, -1),
+         mult.contiguous().view(torch.uint8).reshape(groups, spans, -1)],
+        dim=-1,
+    )  # fmt: skip
+    assert out.shape[-1] == span_bytes(kinds, blocks)
+    return out.contiguous()
+
+
+def exact_parameters(layer: Stored) -> torch.Tensor:
+    """``exact.c``'s block parameters of ``layer`` as fp32 ``[groups, K/block, kinds, 16]``,
+    multiplied out where they are factored (``exact.c``'s ``params_ref``: the same floats)."""
+    kinds = 2 if layer.x8_affine else 1
+    if not layer.x8_span:
+        return layer.block_scales.reshape(layer.block_scales.shape[0], -1, kinds, X8_GROUP)
+    blocks = layer.x8_span // layer.x8_block
+    raw = layer.block_scales
+    groups, spans = raw.shape[:2]
+    unit = raw[..., : kinds * 64].contiguous().view(torch.float32)
+    unit = unit.reshape(groups, spans, kinds, 1, X8_GROUP)
+    mult = raw[..., kinds * 64 :].contiguous().view(torch.int8)
+    mult = mult.reshape(groups, spans, kinds, blocks, X8_GROUP).float()
+    values = (unit * mult).permute(0, 1, 3, 2, 4)  # [groups, spans, blocks, kinds, 16]
+    return values.reshape(groups, spans * blocks, kinds, X8_GROUP)
+
+
 def _dequantize_exact(layer: Stored) -> torch.Tensor:
     # exact.c multiplies q · s (+ b) exactly; this rounds each to fp32
     groups = layer.weight_ilv.shape[0]
     q = exact_integers(layer).permute(0, 2, 1, 3).reshape(groups * X8_GROUP, -1).float()
-    p = layer.block_scales.permute(0, 3, 1, 2).reshape(
-        groups * X8_GROUP, -1, 2 if layer.x8_affine else 1
+    p = (
+        exact_parameters(layer)
+        .permute(0, 3, 1, 2)
+        .reshape(groups * X8_GROUP, -1, 2 if layer.x8_affine else 1)
     )
     p = p.repeat_interleave(layer.x8_block, dim=1)
     w = q * p[..., 0] + (p[..., 1] if layer.x8_affine else 0.0)

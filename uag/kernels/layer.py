@@ -37,6 +37,7 @@ class _Linear(ctypes.Structure):
         ("affine", ctypes.c_int64),
         ("bits", ctypes.c_int64),
         ("offset", ctypes.c_int64),
+        ("span", ctypes.c_int64),
     ]
 
 
@@ -87,6 +88,7 @@ def _linear(layer: NativeLinear | None) -> _Linear | None:
         int(layer.x8_affine),
         layer.x8_bits,
         layer.x8_offset,
+        layer.x8_span,
     )
 
 

@@ -59,6 +59,7 @@ from uag.kernels.formats import (
     BLOCK_ROWS,
     CSRC,
     EXACT_BLOCKS,
+    FACTOR_SPAN,
     FORMATS,
     K_STEP,
     Q8_K_STEP,
@@ -66,6 +67,8 @@ from uag.kernels.formats import (
     X8_QUAD,
     Format,
     block_parameters,
+    exact_parameters,
+    factor_parameters,
     pack_integers,
 )
 from uag.paths import cache_root
@@ -591,6 +594,13 @@ class NativeLinear(nn.Module):
     """``Format.EXACT``: bits per stored integer (8, or packed at 4-6: ``pack``)."""
     x8_offset = 0
     """``Format.EXACT``, packed: what each stored value is offset by (``pack_integers``)."""
+    x8_span = 0
+    """``Format.EXACT``: 0, or ``FACTOR_SPAN`` where the block parameters are factored
+    (``factor``)."""
+    kquant: Any = None
+    """Until ``to_integer``: the GGUF k-quant blocks this weight was de-quantised from
+    (``uag.runtime.kquants.KQuant``), checked equal to it; their integers and parameters then
+    become ``exact.c``'s, which keep the file's structure (``factor``)."""
 
     def __init__(
         self,
@@ -623,6 +633,9 @@ class NativeLinear(nn.Module):
                 found = find(weight.float(), lib)
                 if found is not None:
                     self._init_blocked(linear, *found, fmt=fmt)
+                    source = getattr(linear, "uag_kquant", None)
+                    if source is not None and torch.equal(source.weight(), weight.float()):
+                        self.kquant = source  # the file's blocks, checked
                     return
         if q4:
             grid = q4_grid(weight.float(), lib=lib)
@@ -738,6 +751,7 @@ class NativeLinear(nn.Module):
         state = self.__dict__.copy()
         state.pop("lib", None)
         state.pop("_fn", None)
+        state.pop("kquant", None)
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
@@ -826,6 +840,7 @@ class NativeLinear(nn.Module):
             return False
         self.weight_ilv, self.block_scales, self.x8_block, self.x8_affine = layout
         self.origin, self.format = self.format, Format.EXACT
+        self.kquant = None
         assert self.lib is not None
         self._bind(self.lib)
         return True
@@ -854,6 +869,7 @@ class NativeLinear(nn.Module):
         merged) while v is Q6_K (blocks of 16), and joining them in fp32 read 4 bytes a weight
         instead of 1 (352 of the 1.5B's ~2,200 MB a token)."""
         assert self.format is Format.EXACT and self.x8_bits == 8 and self.lib is not None
+        assert not self.x8_span, "reblock before factor"
         if self.x8_block % block or (self.x8_affine and not affine):
             raise ValueError(f"blocks of {self.x8_block} cannot be held as blocks of {block}")
         params = self.block_scales  # [groups, K / block, scale (and base), 16 outputs]
@@ -878,6 +894,21 @@ class NativeLinear(nn.Module):
         self.weight_ilv, self.x8_bits, self.x8_offset = packed
         return True
 
+    def factor(self) -> bool:
+        """Hold ``exact.c``'s block parameters factored (``factor_parameters``: an fp32 unit
+        per ``FACTOR_SPAN`` inputs times an int8 multiplier per block) where every span
+        factors exactly; True when factored. The kernel multiplies them back to the same
+        floats, so every product is bitwise the same; a step reads 4-8 bytes per block less
+        (a k-quant body's scales and minima: 571 of the 1.5B Qwen's 1,881 MB a token).
+        Call it after ``fuse`` (which joins plain parameters)."""
+        if self.format is not Format.EXACT or self.x8_span:
+            return False
+        factored = factor_parameters(exact_parameters(self), self.x8_block)
+        if factored is None:
+            return False
+        self.block_scales, self.x8_span = factored, FACTOR_SPAN
+        return True
+
     def _integer_layout(
         self, *, anywhere: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, int, bool] | None:
@@ -895,7 +926,11 @@ class NativeLinear(nn.Module):
             return None
         tiles = self.weight_ilv.shape[0]
         q = self.weight_ilv.reshape(tiles, k, BLOCK_ROWS).permute(0, 2, 1).reshape(n, k)
-        if self.format is Format.BLOCK_INT8:
+        if self.kquant is not None:  # the file's own integers and parameters
+            ints, scale, base, block = self.kquant.decode()
+            affine = base is not None
+            scales = torch.stack([scale, base], dim=-1) if base is not None else scale[..., None]
+        elif self.format is Format.BLOCK_INT8:
             ints = q.to(torch.int8)
             scales = self.block_scales.permute(0, 2, 1).reshape(n, k // BLOCK_K, 1)
             block, affine = BLOCK_K, False
@@ -932,7 +967,7 @@ class NativeLinear(nn.Module):
             ints = ints16.reshape(n, k).to(torch.int8)
             scales = torch.stack([scale, base], dim=-1) if affine else scale[..., None]
             scales = scales.float()
-        if not affine:
+        if not affine and self.kquant is None:  # the file's integers are in its own range
             ints, scales = _lean_negative(ints, scales, block)
         groups = n // X8_GROUP
         weight = ints.view(groups, X8_GROUP, k // X8_QUAD, X8_QUAD).permute(0, 2, 1, 3)
@@ -949,6 +984,7 @@ class NativeLinear(nn.Module):
         self.block_scales = torch.empty(0)
         self.format, self.origin = Format.FP32, Format.FP32
         self.x8_block, self.x8_affine, self.x8_bits, self.x8_offset = 0, False, 8, 0
+        self.x8_span = 0
         self._bind(self.lib)
 
     def prefix(self, rows: int) -> NativeLinear:
@@ -1018,7 +1054,7 @@ class NativeLinear(nn.Module):
             self._fn(
                 rows.data_ptr(), self.padded_in, m, self.padded_in, self.weight_ilv.data_ptr(),
                 self.block_scales.data_ptr(), self.x8_block, int(self.x8_affine), self.x8_bits,
-                self.x8_offset, self.padded_out, bias, y.data_ptr(), self.padded_out,
+                self.x8_offset, self.x8_span, self.padded_out, bias, y.data_ptr(), self.padded_out,
             )  # fmt: skip
         elif self.format is Format.DYNAMIC_INT8:
             self.product_q8(rows, y)
@@ -1133,11 +1169,12 @@ def fuse(parts: list[nn.Module]) -> NativeLinear | None:
     assert first.lib is not None
     fused._bind(first.lib)
     fused.pack()  # the parts share one width (packing each first could not)
+    fused.factor()
     start, rows = 0, FORMATS[first.format].per_entry  # outputs per leading index
     for p in layers:
         count = p.weight_ilv.shape[0]
         p.weight_ilv = fused.weight_ilv[start : start + count]
-        p.x8_bits, p.x8_offset = fused.x8_bits, fused.x8_offset
+        p.x8_bits, p.x8_offset, p.x8_span = fused.x8_bits, fused.x8_offset, fused.x8_span
         p.scales = fused.scales[start * rows : (start + count) * rows]
         p.wsum = fused.wsum[start * rows : (start + count) * rows]
         if blocks:

@@ -273,6 +273,7 @@ class _Layer:
         for linear in (self.o, self.down, *unfused):
             if isinstance(linear, NativeLinear):
                 linear.pack()
+                linear.factor()
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import shutil
+import struct
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -35,6 +36,7 @@ import torch
 
 from uag.errors import UagError
 from uag.paths import cache_root, locked
+from uag.runtime import kquants
 from uag.runtime.parts import Parts, assemble
 from uag.runtime.tokcache import load_tokenizer
 
@@ -462,7 +464,21 @@ def load_model(ref: str, *, device: str = "auto", dtype: str = "auto") -> Loaded
         raise UagError(f"cannot load model {ref!r}: {first}") from exc
     finally:
         hf_logging.enable_progress_bar()
+    if dev.type == "cpu" and dt == torch.float32 and (ref in EMBEDDED or ref.endswith(".gguf")):
+        _attach_kquants(model, ref)
     return wrap_model(model.to(dev), tokenizer, ref=ref)
+
+
+def _attach_kquants(model: Any, ref: str) -> None:
+    """Point the model's linears at their GGUF k-quant blocks (``uag.runtime.kquants``): the
+    native kernels then keep the file's own block parameters."""
+    path = (
+        embedded_gguf_path(EMBEDDED[ref]) if ref in EMBEDDED else Path(ref).expanduser().resolve()
+    )
+    try:
+        kquants.attach(model, path)
+    except (OSError, ValueError, struct.error) as exc:
+        raise UagError(f"cannot read the tensor directory of {path}: {exc}") from exc
 
 
 def wrap_model(model: Any, tokenizer: Any, *, ref: str) -> LoadedModel:

@@ -34,7 +34,13 @@
  *
  * Layout: q as [N/16][K/4][16][4] (sixteen outputs' four consecutive weights side by side: one
  * 64-byte load per quad for vpdpbusd, and a block's 8 (or 4) quads are one AMX B tile);
- * params [N/16][K/B][16] scales, or [N/16][K/B][2][16] scales then bases (affine).
+ * params [N/16][K/B][16] scales, or [N/16][K/B][2][16] scales then bases (affine); or
+ * factored (span > 0): per group and span of `span` inputs (SB = span / blk blocks), the fp32
+ * units u[P][16] then the int8 multipliers m[P][SB][16] (P = 1, or 2 with bases), a block's
+ * scale (base) the float product u * m, exact (NativeLinear.factor stores only spans where
+ * it is: the same floats as the plain layout, so the same bits). Why: a k-quant's scale and
+ * minimum are an fp16 per 256 inputs times a 6-bit integer per 16 or 32 (Q4_K, Q6_K), and as
+ * fp32 per block they were 571 of the 1.5B Qwen body's 1,881 MB a token; factored, ~80.
  *
  * Packed (bits 4, 5 or 6): the same integers at the width their range needs, read back
  * exactly before the products (unpack_ref, unpack512), so the sums and every bit after them
@@ -204,6 +210,37 @@ static inline X8 void epilogue512(const int32_t *c, const int32_t *S, int mc, co
     }
 }
 
+/* Bytes of one group's span of factored parameters (np kinds, sb blocks). */
+static inline int64_t span_bytes(int64_t np, int64_t sb) { return np * (64 + 16 * sb); }
+
+/* Block b's scales (then bases) of one group: the plain layout's floats, or the factored
+ * layout's products u * m written to tmp[np * 16]. The definition: */
+static const float *params_ref(const uint8_t *pg, int64_t b, int64_t np, int64_t sb,
+                               float *tmp) {
+    if (!sb) return (const float *)pg + b * np * XL;
+    const uint8_t *at = pg + (b / sb) * span_bytes(np, sb);
+    const float *u = (const float *)at;
+    const int8_t *m = (const int8_t *)(at + 64 * np) + (b % sb) * XL;
+    for (int64_t p = 0; p < np; p++)
+        for (int n = 0; n < XL; n++) tmp[p * XL + n] = u[p * XL + n] * (float)m[p * sb * XL + n];
+    return tmp;
+}
+
+/* The same floats, sixteen at a time (one rounded product each, as params_ref's). */
+static inline X8 const float *params512(const uint8_t *pg, int64_t b, int64_t np, int64_t sb,
+                                        float *tmp) {
+    if (!sb) return (const float *)pg + b * np * XL;
+    const uint8_t *at = pg + (b / sb) * span_bytes(np, sb);
+    const int8_t *m = (const int8_t *)(at + 64 * np) + (b % sb) * XL;
+    for (int64_t p = 0; p < np; p++) {
+        const __m512 mult = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m + p * sb * XL))));
+        _mm512_storeu_ps(tmp + p * XL,
+                         _mm512_mul_ps(_mm512_loadu_ps((const float *)at + p * XL), mult));
+    }
+    return tmp;
+}
+
 /* S by vpdpbusd against ones: the same integers as wsum_ref. */
 static inline X8 void wsum512(const int8_t *w, int64_t blk, int32_t *S) {
     __m512i s = _mm512_setzero_si512();
@@ -326,9 +363,10 @@ static XAMX void xamx_configure(int R, int64_t blk) {
  * block b's tile products are issued before block b - 1's sums are stored and read, so the
  * tile unit and the epilogue overlap. */
 static XAMX void pass_amx(const uint8_t *planes, int64_t bstride, int R, int rows, const int8_t *wg,
-                          const float *pg, int64_t KB, int64_t blk, int64_t np,
+                          const uint8_t *pg, int64_t KB, int64_t blk, int64_t np, int64_t sb,
                           const float *rb, int64_t ldrb, int32_t *c, float *acc) {
     int32_t S[XL];
+    float tmp[2 * XL];
     const int two = R > 16;
 #define XAMX_ISSUE(CT0, CT1, BT)                                                                   \
     do {                                                                                           \
@@ -368,7 +406,7 @@ static XAMX void pass_amx(const uint8_t *planes, int64_t bstride, int R, int row
             if (a & 1) XAMX_COLLECT(2, 3);
             else XAMX_COLLECT(0, 1);
             wsum512(wg + a * blk * XL, blk, S);
-            const float *sc = pg + a * np * XL;
+            const float *sc = params512(pg, a, np, sb, tmp);
             epilogue512(c, S, rows, sc, np > 1 ? sc + XL : NULL, rb + 2 * a, ldrb, acc);
         }
     }
@@ -413,13 +451,16 @@ static int x8_path(int64_t M) {
 int64_t uag_x8_available(void) { return uag_use_avx512vnni(); }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) times the block weights (layout above;
- * blk 32 or 16; affine: params hold bases too; bits 8, or 4-6 packed with offset) + bias.
- * N a multiple of 16, K of blk. */
+ * blk 32 or 16; affine: params hold bases too; bits 8, or 4-6 packed with offset; span 0, or
+ * the inputs per factored span of params) + bias. N a multiple of 16, K of blk (and span). */
 void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *params, int64_t blk, int64_t affine, int64_t bits,
-                   int64_t offset, int64_t N, const float *bias, float *y, int64_t ldy) {
+                   const void *params, int64_t blk, int64_t affine, int64_t bits,
+                   int64_t offset, int64_t span, int64_t N, const float *bias, float *y,
+                   int64_t ldy) {
     const int path = x8_path(M);
-    const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1;
+    const int64_t KB = K / blk, groups = N / XL, np = affine ? 2 : 1, sb = span / blk;
+    /* one group's parameter bytes */
+    const int64_t pgb = sb ? (K / span) * span_bytes(np, sb) : KB * np * XL * 4;
     const int64_t bb = packed_bytes(blk, bits); /* one group's block */
     /* AMX: passes of mc rows (the last padded with zero planes: one tile shape for all) */
     const int64_t passes = path == 2 ? (M + XAMX_ROWS - 1) / XAMX_ROWS : 1;
@@ -442,6 +483,7 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
         /* packed: AMX reads a group's blocks unpacked here (every pass reads them), VNNI and
          * the reference one block at a time (its first blk * 16 bytes) */
         int8_t *wbuf = bits == 8 ? NULL : (int8_t *)aligned_alloc(64, (size_t)(K * XL));
+        float tmp[2 * XL]; /* a block's factored parameters as floats */
 #if HAVE_AMX
         if (path == 2) xamx_configure(R, blk);
 #endif
@@ -450,7 +492,7 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
             memset(acc, 0, sizeof(float) * (size_t)(passes * mc) * XL);
             const uint8_t *pk = (const uint8_t *)w + g * KB * bb;
             const int8_t *wg = (const int8_t *)pk;
-            const float *pg = params + g * KB * np * XL;
+            const uint8_t *pg = (const uint8_t *)params + g * pgb;
 #if HAVE_AMX
             if (wbuf && path == 2) {
                 for (int64_t b = 0; b < KB; b++) unpack512(pk + b * bb, blk, bits, offset, wbuf + b * blk * XL);
@@ -464,7 +506,7 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                 float *ap = acc + p * mc * XL;
 #if HAVE_AMX
                 if (path == 2) {
-                    pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, rp, KB * 2, c, ap);
+                    pass_amx(pp, bstride, R, rows, wg, pg, KB, blk, np, sb, rp, KB * 2, c, ap);
                     continue;
                 }
 #endif
@@ -475,21 +517,23 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
                         else unpack_ref(pk + b * bb, blk, bits, offset, wbuf);
                         wb = wbuf;
                     }
-                    const float *sc = pg + b * np * XL, *base = affine ? sc + XL : NULL;
                     int32_t *S = c + R * XL;
                     if (path == 1) {
                         /* the block's lines and its parameters XPREFETCH ahead: a 9-row
                          * forward of the 1.5B's products 116 -> 94 ms, 1-5 rows the same */
                         for (int64_t l = 0; l < bb; l += 64)
                             _mm_prefetch((const char *)(pk + b * bb + XPREFETCH + l), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(sc + XPREFETCH / 4), _MM_HINT_T0);
+                        _mm_prefetch((const char *)pg + (b * pgb) / KB + XPREFETCH / 4,
+                                     _MM_HINT_T0);
                         sums_vnni_rows(pp + b * bstride, rows, wb, blk, c);
                         wsum512(wb, blk, S);
-                        epilogue512(c, S, rows, sc, base, rp + 2 * b, KB * 2, ap);
+                        const float *sc = params512(pg, b, np, sb, tmp);
+                        epilogue512(c, S, rows, sc, affine ? sc + XL : NULL, rp + 2 * b, KB * 2, ap);
                     } else {
                         sums_ref(pp + b * bstride, rows, wb, blk, c);
                         wsum_ref(wb, blk, S);
-                        epilogue_ref(c, S, rows, sc, base, rp + 2 * b, KB * 2, ap);
+                        const float *sc = params_ref(pg, b, np, sb, tmp);
+                        epilogue_ref(c, S, rows, sc, affine ? sc + XL : NULL, rp + 2 * b, KB * 2, ap);
                     }
                 }
             }

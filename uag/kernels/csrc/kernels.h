@@ -56,8 +56,9 @@ int64_t uag_q4_grid(const float *w, int64_t N, int64_t K, float tol, uint8_t *pa
 
 /* exact.c: block integers x activations as exact integer sums */
 void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
-                   const float *params, int64_t blk, int64_t affine, int64_t bits,
-                   int64_t offset, int64_t N, const float *bias, float *y, int64_t ldy);
+                   const void *params, int64_t blk, int64_t affine, int64_t bits,
+                   int64_t offset, int64_t span, int64_t N, const float *bias, float *y,
+                   int64_t ldy);
 int64_t uag_x8_available(void);
 int64_t uag_x8_unpack_check(void);
 

@@ -28,6 +28,7 @@ typedef struct {
     int64_t format;     /* enum uag_format (formats.h): which kernel, what scale points at */
     int64_t block, affine; /* UAG_FMT_EXACT: inputs per block; whether blocks have bases */
     int64_t bits, offset;  /* UAG_FMT_EXACT: 8, or packed at 4-6 bits plus offset (exact.c) */
+    int64_t span;          /* UAG_FMT_EXACT: 0, or inputs per span of factored params */
 } uag_linear_t;
 
 typedef struct uag_layer {
@@ -50,7 +51,7 @@ static void linear(const uag_linear_t *l, const float *x, int64_t rows, float *y
     switch (l->format) {
     case UAG_FMT_EXACT:
         uag_linear_x8(x, l->in, rows, l->in, (const int8_t *)l->weight, l->scale, l->block,
-                      l->affine, l->bits, l->offset, l->out, l->bias, y, l->out);
+                      l->affine, l->bits, l->offset, l->span, l->out, l->bias, y, l->out);
         break;
     case UAG_FMT_Q4:
         uag_linear_q4(x, l->in, rows, l->in, (const uint8_t *)l->weight,
