@@ -229,7 +229,12 @@ def floor_table(pair: Any, *, context: int = 110, repeats: int = 7) -> str:
 
 @torch.inference_mode()
 def layout_table(
-    load_pair: Callable[[], Any], *, context: int = 110, rounds: int = 7, max_rows: int = 9
+    load_pair: Callable[[], Any],
+    *,
+    context: int = 110,
+    rounds: int = 7,
+    max_rows: int = 9,
+    packed_flag: str = "1",
 ) -> str:
     """The target's forward over 1..``max_rows`` rows with its body in ``exact.c``'s int8
     layout and packed at its own bits (``UAG_PACKED_BODY``), as Markdown: both loaded in one
@@ -242,7 +247,7 @@ def layout_table(
     pairs = {}
     before = os.environ.get("UAG_PACKED_BODY")
     try:
-        for name, flag in (("int8", "0"), ("packed", "1")):
+        for name, flag in (("int8", "0"), ("packed", packed_flag)):
             os.environ["UAG_PACKED_BODY"] = flag
             pairs[name] = load_pair()
     finally:
@@ -271,7 +276,8 @@ def layout_table(
     lines = [
         # to the byte below 1 MB: a tiny test model's two bodies differ in the fourth decimal
         f"body MB: int8 {_mb(body['int8'])}, packed {_mb(body['packed'])} "
-        f"({packed} products packed); context {context} tokens; medians of {rounds} "
+        f"({packed} products packed, UAG_PACKED_BODY={packed_flag}); context {context} tokens; "
+        f"medians of {rounds} "
         f"alternating rounds; kernels {pairs['int8'].kernels}; hidden states of 1-{max_rows} "
         f"rows bitwise the same: {'yes' if same else 'NO'}",
         "",

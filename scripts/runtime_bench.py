@@ -199,6 +199,12 @@ def main() -> None:
         help="time the target with its body in exact.c's int8 layout against packed at its own "
         "bits (UAG_PACKED_BODY), alternating, and check the hidden states equal; then exit",
     )
+    parser.add_argument(
+        "--packed-flag",
+        default="1",
+        choices=["1", "4"],
+        help="--layout-table: the packed side's UAG_PACKED_BODY (1: 4-6 bits, 4: 4 bits only)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="repeats per row count (table)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     parser.add_argument(
@@ -216,7 +222,7 @@ def main() -> None:
         print(floor_table(load(), repeats=args.repeats))
         return
     if args.layout_table:
-        print(layout_table(load, rounds=args.repeats))
+        print(layout_table(load, rounds=args.repeats, packed_flag=args.packed_flag))
         return
     report = run(args.tasks, args.max_new_tokens, args.lookahead, args.kernels)
     print(to_markdown(report))

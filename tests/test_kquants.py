@@ -86,12 +86,16 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
 
 
 @needs_native
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("name", ["blk.0.ffn_up.weight", "blk.0.ffn_down.weight"])
-def test_factored_parameters_give_the_same_bits_on_every_path_and_row_count(kquant_file, name):
+def test_factored_parameters_give_the_same_bits_on_every_path_and_row_count(
+    kquant_file, name, packed, monkeypatch
+):
     """A linear de-quantised from a k-quant keeps the file's blocks (checked equal to its
     weight), which factor into an fp32 unit per 256 inputs times int8 multipliers: fewer bytes
     and, multiplied back in the kernel, bitwise the plain parameters' products, for 1-9 rows
-    on the scalar reference, AVX-512 VNNI and AMX where each runs."""
+    on the scalar reference, AVX-512 VNNI and AMX where each runs; packed at the file's own
+    bits too (Q4_K's integers at 4, unpacked in registers on VNNI; Q6_K's at 6)."""
     source = _source(kquant_file, name)
     linear = _linear(source.weight())
     linear.uag_kquant = source
@@ -113,6 +117,9 @@ def test_factored_parameters_give_the_same_bits_on_every_path_and_row_count(kqua
             lib.uag_set_amx(amx)
             lib.uag_set_avx512vnni(vnni)
             expected[amx, vnni] = [layer(x[:m]) for m in range(1, 10)]
+        if packed:
+            monkeypatch.setenv("UAG_PACKED_BODY", "1")
+            assert layer.pack() and layer.x8_bits == (4 if layer.x8_affine else 6)
         assert layer.factor() and layer.x8_span == 256
         assert layer.block_scales.nbytes < plain_bytes / 2
         assert torch.equal(exact_parameters(layer), plain)

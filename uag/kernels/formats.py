@@ -156,15 +156,17 @@ def packed_block_bytes(block: int, bits: int) -> int:
     return block * 8 + (64 if bits == 5 else 64 * (block // 16) if bits == 6 else 0)
 
 
-def pack_integers(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int] | None:
+def pack_integers(
+    weight: torch.Tensor, block: int, *, widths: tuple[int, ...] = PACKED_BITS
+) -> tuple[torch.Tensor, int, int] | None:
     """``(packed uint8 [groups, K/block, bytes], bits, offset)``: ``exact.c``'s int8 layout
-    ``weight`` (``[groups, K/4, 16, 4]``) at the fewest of ``PACKED_BITS`` its range needs,
+    ``weight`` (``[groups, K/4, 16, 4]``) at the fewest of ``widths`` its range needs,
     each value stored as ``q - offset`` (layout in ``exact.c``'s header), or None where the
     range needs 7 or 8 bits. Why: a GGUF body's Q4_K / Q5_0 / Q6_K integers read at their
     own width instead of a byte each; ``exact.c`` unpacks them to the same integers, so every
     product is bitwise the int8 layout's."""
     lo, hi = int(weight.min()), int(weight.max())
-    bits = next((b for b in PACKED_BITS if hi - lo < 1 << b), None)
+    bits = next((b for b in sorted(widths) if hi - lo < 1 << b), None)
     if bits is None or block % 16:
         return None
     groups, quads = weight.shape[0], block // 4

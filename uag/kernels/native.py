@@ -62,6 +62,7 @@ from uag.kernels.formats import (
     FACTOR_SPAN,
     FORMATS,
     K_STEP,
+    PACKED_BITS,
     Q8_K_STEP,
     X8_GROUP,
     X8_QUAD,
@@ -260,23 +261,31 @@ def integer_products() -> bool:
     return bool(lib is not None and lib.uag_x8_available())
 
 
-def packed_body() -> bool:
-    """Whether ``NativeLinear.pack`` packs (``UAG_PACKED_BODY=1``; default off until timed on
-    an AVX-512 machine against the int8 layout: the products are the same bits either way).
-    Asked for where ``exact.c``'s SIMD unpacking disagrees with its definition, a clear error."""
-    if os.environ.get("UAG_PACKED_BODY", "0") != "1":
-        return False
+def packed_body() -> tuple[int, ...]:
+    """The widths ``NativeLinear.pack`` may store integers at. By default 4 bits, the width
+    ``exact.c`` unpacks in registers (the 1.5B Qwen's Q4_K products: a one-row step 0.89x the
+    int8 layout's, 3-9 rows the same; 5 and 6 bits go through memory and are not packed), or
+    none where ``exact.c``'s SIMD unpacking disagrees with its definition (the int8 layout
+    then; the products are the same bits either way). ``UAG_PACKED_BODY=0``: none; ``=4``: 4
+    bits; ``=1``: 4 to 6 bits; asking for packing where the unpacking disagrees is a clear
+    error."""
+    flag = os.environ.get("UAG_PACKED_BODY", "")
+    if flag not in ("", "0", "1", "4"):
+        raise UagError(f"UAG_PACKED_BODY={flag!r}: use 0 (int8), 4 (4-bit only) or 1 (4-6 bits)")
+    if flag == "0":
+        return ()
     problem = _packing_unavailable()
-    if problem:
-        raise UagError(f"UAG_PACKED_BODY=1 cannot be used here: {problem}; unset it")
-    return True
+    if problem and flag:
+        raise UagError(f"UAG_PACKED_BODY={flag} cannot be used here: {problem}; unset it")
+    return () if problem else PACKED_BITS if flag == "1" else (4,)
 
 
 @functools.cache
 def _packing_unavailable() -> str | None:
-    """Why packed products cannot run here, or None. Checked on first use, not in the build's
-    self-test: a wrong unpack is then a clear error for the one who asked for packing, while
-    every default path (which never unpacks) stays available."""
+    """Why packed products cannot run here, or None (``exact.c``'s ``uag_x8_unpack_check``:
+    the SIMD unpacking and the 4-bit products unpacked in registers against their scalar
+    definitions). Checked on first use, not in the build's self-test: where it fails the
+    default keeps the int8 layout, and asking for packing is a clear error."""
     lib = _library()[0]
     if lib is not None and not lib.uag_x8_unpack_check():
         return "exact.c's AVX-512 unpacking of packed integers disagrees with its definition"
@@ -886,9 +895,10 @@ class NativeLinear(nn.Module):
         ``pack_integers``) where ``packed_body()`` allows; True when packed. The products stay
         bitwise the same (``exact.c`` unpacks the same integers); a one-row step reads fewer
         bytes. Call it after ``fuse``: parts stored at different widths could not be fused."""
-        if self.format is not Format.EXACT or self.x8_bits != 8 or not packed_body():
+        widths = packed_body()
+        if self.format is not Format.EXACT or self.x8_bits != 8 or not widths:
             return False
-        packed = pack_integers(self.weight_ilv, self.x8_block)
+        packed = pack_integers(self.weight_ilv, self.x8_block, widths=widths)
         if packed is None:
             return False
         self.weight_ilv, self.x8_bits, self.x8_offset = packed
