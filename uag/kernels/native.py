@@ -262,9 +262,10 @@ def integer_products() -> bool:
 
 
 def packed_body() -> tuple[int, ...]:
-    """The widths ``NativeLinear.pack`` may store integers at. By default 4 bits, the width
-    ``exact.c`` unpacks in registers (the 1.5B Qwen's Q4_K products: a one-row step 0.89x the
-    int8 layout's, 3-9 rows the same; 5 and 6 bits go through memory and are not packed), or
+    """The widths ``NativeLinear.pack`` may store integers at. By default 4 bits (the 1.5B
+    Qwen's Q4_K products: a one-row step 0.89x the int8 layout's, 3-9 rows the same; its Q6_K
+    ones at 6 bits, also unpacked in registers, made 3-8 rows 1.05-1.14x slower, and 5 bits
+    go through memory), or
     none where ``exact.c``'s SIMD unpacking disagrees with its definition (the int8 layout
     then; the products are the same bits either way). ``UAG_PACKED_BODY=0``: none; ``=4``: 4
     bits; ``=1``: 4 to 6 bits; asking for packing where the unpacking disagrees is a clear

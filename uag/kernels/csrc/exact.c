@@ -308,22 +308,34 @@ static inline X8 __attribute__((always_inline)) void sums_vnni(
     _Pragma("GCC unroll 16") for (int r = 0; r < XD * mb; r++) _mm512_storeu_si512(c + r * XL, acc[r]);
 }
 
-/* sums_vnni on a block packed at 4 bits, unpacked in registers: nibble vector j holds quad 2j
- * (low nibbles) and 2j + 1 (high), each u + offset the int8 quad unpack_ref makes, so the sums
- * are the int8 layout's. With S (the first pass of rows) it also sums the quads into S, as
- * wsum512 would from the unpacked block. Why: unpacking to memory and reading it back cost more
- * than the bytes saved (a one-row step of the 1.5B 1.29x slower); in registers it is three
- * instructions a quad. */
-static inline X8 __attribute__((always_inline)) void sums_vnni4(
-    const uint8_t *planes, const int mb, const uint8_t *pk, int64_t blk, __m512i off,
-    int32_t *c, int32_t *S) {
+/* sums_vnni on a block packed at 4 or 6 bits, unpacked in registers: nibble vector j holds quad
+ * 2j (low nibbles) and 2j + 1 (high); at 6 bits, high-bit vector j / 2 holds their bits 4-5 at
+ * bits 2t, 2t + 1 (t = 2j % 4 and 2j % 4 + 1); each u + offset is the int8 quad unpack_ref
+ * makes, so the sums are the int8 layout's. With S (the first pass of rows) it also sums the
+ * quads into S, as wsum512 would from the unpacked block. Why: unpacking to memory and
+ * reading it back cost more than the bytes saved (a one-row step of the 1.5B 1.29x slower);
+ * in registers it is three instructions a quad at 4 bits, six at 6. The 16-bit shifts only
+ * move a byte's own bits into the positions the masks keep. */
+static inline X8 __attribute__((always_inline)) void sums_vnnip(
+    const uint8_t *planes, const int mb, const uint8_t *pk, int64_t blk, const int bits,
+    __m512i off, int32_t *c, int32_t *S) {
     __m512i acc[XVNNI_ROWS * XD], s = _mm512_setzero_si512();
     const __m512i low4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+    const __m512i top2 = _mm512_set1_epi8(0x30);
     _Pragma("GCC unroll 16") for (int r = 0; r < XD * mb; r++) acc[r] = _mm512_setzero_si512();
     for (int64_t j = 0; j < blk / 8; j++) {
         const __m512i v = _mm512_loadu_si512(pk + j * 64);
-        const __m512i wa = _mm512_add_epi8(_mm512_and_si512(v, low4), off);
-        const __m512i wb = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), off);
+        __m512i wa = _mm512_and_si512(v, low4);
+        __m512i wb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (bits == 6) { /* bits 4-5 of quads 2j, 2j + 1 at (2j % 4) * 2 and that + 2 */
+            const __m512i h = _mm512_loadu_si512(pk + blk * 8 + (j / 2) * 64);
+            const __m512i ha = j & 1 ? _mm512_srli_epi16(h, 0) : _mm512_slli_epi16(h, 4);
+            const __m512i hb = j & 1 ? _mm512_srli_epi16(h, 2) : _mm512_slli_epi16(h, 2);
+            wa = _mm512_or_si512(wa, _mm512_and_si512(ha, top2));
+            wb = _mm512_or_si512(wb, _mm512_and_si512(hb, top2));
+        }
+        wa = _mm512_add_epi8(wa, off);
+        wb = _mm512_add_epi8(wb, off);
         if (S) {
             s = _mm512_dpbusd_epi32(s, ones, wa);
             s = _mm512_dpbusd_epi32(s, ones, wb);
@@ -340,30 +352,31 @@ static inline X8 __attribute__((always_inline)) void sums_vnni4(
     if (S) _mm512_storeu_si512(S, s);
 }
 
-static inline X8 __attribute__((always_inline)) void sums_vnni4_rows_blk(
-    const uint8_t *planes, int mc, const uint8_t *pk, int64_t blk, int64_t offset, int32_t *c,
-    int32_t *S) {
+static inline X8 __attribute__((always_inline)) void sums_vnnip_rows_blk(
+    const uint8_t *planes, int mc, const uint8_t *pk, int64_t blk, const int bits,
+    int64_t offset, int32_t *c, int32_t *S) {
     const __m512i off = _mm512_set1_epi8((char)offset);
     for (int i = 0; i < mc; i += XVNNI_ROWS) {
         const uint8_t *p = planes + XD * i * blk;
         int32_t *ci = c + XD * i * XL, *Si = i == 0 ? S : NULL;
         switch (mc - i < XVNNI_ROWS ? mc - i : XVNNI_ROWS) {
-            case 1: sums_vnni4(p, 1, pk, blk, off, ci, Si); break;
-            case 2: sums_vnni4(p, 2, pk, blk, off, ci, Si); break;
-            case 3: sums_vnni4(p, 3, pk, blk, off, ci, Si); break;
-            case 4: sums_vnni4(p, 4, pk, blk, off, ci, Si); break;
-            case 5: sums_vnni4(p, 5, pk, blk, off, ci, Si); break;
-            default: sums_vnni4(p, XVNNI_ROWS, pk, blk, off, ci, Si); break;
+            case 1: sums_vnnip(p, 1, pk, blk, bits, off, ci, Si); break;
+            case 2: sums_vnnip(p, 2, pk, blk, bits, off, ci, Si); break;
+            case 3: sums_vnnip(p, 3, pk, blk, bits, off, ci, Si); break;
+            case 4: sums_vnnip(p, 4, pk, blk, bits, off, ci, Si); break;
+            case 5: sums_vnnip(p, 5, pk, blk, bits, off, ci, Si); break;
+            default: sums_vnnip(p, XVNNI_ROWS, pk, blk, bits, off, ci, Si); break;
         }
     }
 }
 
-/* One copy per block size, as sums_vnni_rows. */
-static X8 void sums_vnni4_rows(const uint8_t *planes, int mc, const uint8_t *pk, int64_t blk,
-                               int64_t offset, int32_t *c, int32_t *S) {
-    if (blk == 32) sums_vnni4_rows_blk(planes, mc, pk, 32, offset, c, S);
-    else if (blk == 16) sums_vnni4_rows_blk(planes, mc, pk, 16, offset, c, S);
-    else sums_vnni4_rows_blk(planes, mc, pk, blk, offset, c, S);
+/* One copy per block size and width (4 or 6), as sums_vnni_rows. */
+static X8 void sums_vnnip_rows(const uint8_t *planes, int mc, const uint8_t *pk, int64_t blk,
+                               int64_t bits, int64_t offset, int32_t *c, int32_t *S) {
+    if (bits == 4 && blk == 32) sums_vnnip_rows_blk(planes, mc, pk, 32, 4, offset, c, S);
+    else if (bits == 4 && blk == 16) sums_vnnip_rows_blk(planes, mc, pk, 16, 4, offset, c, S);
+    else if (bits == 6 && blk == 32) sums_vnnip_rows_blk(planes, mc, pk, 32, 6, offset, c, S);
+    else sums_vnnip_rows_blk(planes, mc, pk, 16, 6, offset, c, S);
 }
 
 static inline X8 __attribute__((always_inline)) void sums_vnni_rows_blk(
@@ -496,13 +509,15 @@ int64_t uag_x8_unpack_check(void) {
                 unpack512(pk, blk, bits, offset, b);
                 if (memcmp(a, b, (size_t)(blk * XL)) != 0) return 0;
             }
-    /* 4 bits unpacked in registers (sums_vnni4) against the int8 blocks unpack_ref makes, for 7
-     * rows (two VNNI passes): one group of 16 outputs, 64 inputs, both block sizes */
+    /* 4 and 6 bits unpacked in registers (sums_vnnip) against the int8 blocks unpack_ref makes,
+     * for 7 rows (two VNNI passes): one group of 16 outputs, 64 inputs, both block sizes */
+    for (int64_t bits = 4; bits <= 6; bits += 2)
     for (int64_t blk = 16; blk <= 32; blk += 16) {
-        uint8_t pk4[64 * 8];
+        const int64_t bb = packed_bytes(blk, bits);
+        uint8_t pk4[64 * 8 + 4 * 64];
         int8_t w8[64 * XL];
         float params[(64 / 16) * XL], x[7 * 64], y8[7 * XL], y4[7 * XL];
-        for (int i = 0; i < 64 * 8; i++) {
+        for (int i = 0; i < (int)sizeof pk4; i++) {
             state = state * 1664525u + 1013904223u;
             pk4[i] = (uint8_t)(state >> 24);
         }
@@ -511,9 +526,9 @@ int64_t uag_x8_unpack_check(void) {
             x[i] = (float)((int32_t)(state >> 8) - (1 << 23)) * 0x1p-20f;
         }
         for (int i = 0; i < (64 / blk) * XL; i++) params[i] = 0.25f + 0.125f * (float)(i % 5);
-        for (int64_t b = 0; b < 64 / blk; b++) unpack_ref(pk4 + b * blk * 8, blk, 4, -3, w8 + b * blk * XL);
+        for (int64_t b = 0; b < 64 / blk; b++) unpack_ref(pk4 + b * bb, blk, bits, -3, w8 + b * blk * XL);
         uag_linear_x8(x, 64, 7, 64, w8, params, blk, 0, 8, 0, 0, XL, NULL, y8, XL);
-        uag_linear_x8(x, 64, 7, 64, (const int8_t *)pk4, params, blk, 0, 4, -3, 0, XL, NULL, y4, XL);
+        uag_linear_x8(x, 64, 7, 64, (const int8_t *)pk4, params, blk, 0, bits, -3, 0, XL, NULL, y4, XL);
         if (memcmp(y8, y4, sizeof y8) != 0) return 0;
     }
     return 1;
@@ -591,13 +606,14 @@ void uag_linear_x8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8
 #endif
                 for (int64_t b = 0; b < KB; b++) {
                     const int8_t *wb = wg + b * blk * XL;
-                    if (path == 1 && bits == 4) { /* unpacked in registers */
+                    if (path == 1 && (bits == 4 || bits == 6) && (blk == 16 || blk == 32)) {
+                        /* unpacked in registers */
                         int32_t *S = c + R * XL;
                         for (int64_t l = 0; l < bb; l += 64)
                             _mm_prefetch((const char *)(pk + b * bb + XPREFETCH + l), _MM_HINT_T0);
                         _mm_prefetch((const char *)pg + (b * pgb) / KB + XPREFETCH / 4,
                                      _MM_HINT_T0);
-                        sums_vnni4_rows(pp + b * bstride, rows, pk + b * bb, blk, offset, c, S);
+                        sums_vnnip_rows(pp + b * bstride, rows, pk + b * bb, blk, bits, offset, c, S);
                         const float *sc = params512(pg, b, np, sb, tmp);
                         epilogue512(c, S, rows, sc, affine ? sc + XL : NULL, rp + 2 * b, KB * 2, ap);
                         continue;
