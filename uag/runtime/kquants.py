@@ -6,7 +6,7 @@ block's smallest weight as its base: a number on no common grid. The file holds 
 scale and minimum of each block of 32 are one fp16 per 256 inputs times a 6-bit integer, and
 Q6_K's scale of each block of 16 one fp16 per 256 times an int8, with no base at all. Read from
 the file, ``exact.c`` can keep those parameters factored (``NativeLinear.factor``): 571 of the
-1.5B Qwen body's 1,881 MB a token were fp32 scales and bases, factored ~80.
+1.5B Qwen body's 1,881 MB a token were fp32 scales and bases, factored 123.
 
 Nothing is taken on trust: a linear gets its file's blocks (``KQuant``) only where their
 weights, rounded as ``gguf``'s own de-quantiser rounds them, equal the fp32 weight loaded,

@@ -40,11 +40,12 @@
  * scale (base) the float product u * m, exact (NativeLinear.factor stores only spans where
  * it is: the same floats as the plain layout, so the same bits). Why: a k-quant's scale and
  * minimum are an fp16 per 256 inputs times a 6-bit integer per 16 or 32 (Q4_K, Q6_K), and as
- * fp32 per block they were 571 of the 1.5B Qwen body's 1,881 MB a token; factored, ~80.
+ * fp32 per block they were 571 of the 1.5B Qwen body's 1,881 MB a token; factored, 123.
  *
  * Packed (bits 4, 5 or 6): the same integers at the width their range needs, read back
- * exactly before the products (unpack_ref, unpack512), so the sums and every bit after them
- * are the int8 layout's. Why: Gemma 3's body is Q5_0 / Q4_K / Q6_K in its GGUF file (~68 MB)
+ * exactly before the products (unpack_ref, unpack512; at 4 and 6 bits on VNNI in registers,
+ * sums_vnnip), so the sums and every bit after them are the int8 layout's. Why: Gemma 3's
+ * body is Q5_0 / Q4_K / Q6_K in its GGUF file (~68 MB)
  * but read as ~119 MB of int8 a token, and a one-row step is bound by the bytes it reads.
  * Each value is stored as u = q - offset (one offset per matrix, 0 <= u < 2^bits); per group
  * and block, in place of its blk / 4 quads of 64 bytes: blk / 8 vectors of nibbles (vector j:
