@@ -206,3 +206,14 @@ def test_the_cold_start_table_says_the_bounds_verdict_and_the_load():
     assert "NOT met" in verdict and "load average 0.40 before, 1.70 after" in verdict
     times["new generate"] = [3.0, 3.2]
     assert ": met;" in table(times).splitlines()[-1]
+    times["new generate"] = [4.1, 4.3]  # a larger target: only the 2x bound
+    assert "(bounds: 2x): met;" in table(times, limit_s=None).splitlines()[-1]
+
+
+def test_the_cold_start_of_a_larger_target_runs_it_alone():
+    from scripts.coldstart import GENERATE, generate_command
+
+    assert generate_command(None) == GENERATE
+    command = generate_command("qwen2.5-coder-1.5b")
+    assert command[: len(GENERATE)] == GENERATE
+    assert command[len(GENERATE) :] == ("--target", "qwen2.5-coder-1.5b", "--policy", "target-only")
