@@ -1097,10 +1097,10 @@ def test_gguf_like_target_runs_exact_integer_layers_row_invariant_and_lossless(
 
 
 @needs_native
-def test_a_wrong_unpack_refuses_packing_but_leaves_the_default_paths(monkeypatch):
+def test_a_wrong_unpack_refuses_packing_but_leaves_the_default_paths(monkeypatch, capsys):
     """The packed body's SIMD unpacking is checked before anything is packed: where it
-    disagrees with its definition, ``UAG_PACKED_BODY=1`` is a clear error, while the build's
-    self-test (every default path, none of which unpacks) still passes."""
+    disagrees with its definition, ``UAG_PACKED_BODY=1`` is a clear error, the default keeps
+    the int8 layout and says so on stderr, and the build's self-test still passes."""
     from uag.errors import UagError
 
     lib = native._library()[0]
@@ -1109,7 +1109,9 @@ def test_a_wrong_unpack_refuses_packing_but_leaves_the_default_paths(monkeypatch
     try:
         assert native._self_test(lib) is None
         monkeypatch.delenv("UAG_PACKED_BODY", raising=False)
+        native._say_unpacked.cache_clear()
         assert not native.packed_body()
+        assert "the body stays int8" in capsys.readouterr().err
         monkeypatch.setenv("UAG_PACKED_BODY", "1")
         with pytest.raises(UagError, match="UAG_PACKED_BODY=1 cannot be used here: .*unpacking"):
             native.packed_body()

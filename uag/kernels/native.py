@@ -43,6 +43,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -278,7 +279,16 @@ def packed_body() -> tuple[int, ...]:
     problem = _packing_unavailable()
     if problem and flag:
         raise UagError(f"UAG_PACKED_BODY={flag} cannot be used here: {problem}; unset it")
-    return () if problem else PACKED_BITS if flag == "1" else (4,)
+    if problem:
+        _say_unpacked(problem)
+        return ()
+    return PACKED_BITS if flag == "1" else (4,)
+
+
+@functools.cache
+def _say_unpacked(problem: str) -> None:
+    """Say once, on stderr, that the body stays int8 (same bits, more bytes) and why."""
+    print(f"uag: the body stays int8, not packed at 4 bits: {problem}", file=sys.stderr)
 
 
 @functools.cache
